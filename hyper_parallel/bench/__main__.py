@@ -1,0 +1,533 @@
+"""Mode comparison bench: ``python -m hyper_parallel.bench``.
+
+Trains the small GPT of ``hyper_parallel.bench.model`` for a few steps under
+each activation-memory mode (``hyper_parallel.bench.modes``), every mode in its
+own subprocess so that peak memory is measured from a clean process, and
+prints one table: peak device memory, bytes offloaded, step time, and whether
+every step's loss equals the ``none`` baseline (bitwise on CPU, within 1e-5
+elsewhere).
+
+Examples::
+
+    python -m hyper_parallel.bench                       # the 7 checkpoint_wrapper modes
+    python -m hyper_parallel.bench --swap-wrapper        # none / swap / swap_with_policy
+    python -m hyper_parallel.bench --modes none,swap --device cuda --json out.json --plot out.png
+
+Exit status: 0 when every mode ran and matched the baseline, 1 when a worker
+failed, 2 when a mode's losses differ from the baseline, 3 (only with
+``--strict``) when a memory ordering of SPEC section 5 does not hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from hyper_parallel.bench.modes import MODES, SWAP_WRAPPER_MODES
+
+MiB = 1024 * 1024
+_PROGRESS_TAG = "@@hyper_parallel.bench.progress"
+_RESULT_TAG = "@@hyper_parallel.bench.result "
+_DTYPES = ("float32", "bfloat16", "float16")
+# Loss tolerance off CPU (SPEC invariant 1); on CPU losses must be bitwise equal.
+LOSS_ATOL = 1e-5
+
+
+# --------------------------------------------------------------------------- CLI
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hyper_parallel.bench",
+        description="Compare activation recompute / swap modes: peak memory, step time, loss equality.",
+    )
+    p.add_argument("--modes", default=None,
+                   help="comma-separated modes, default all (%s; with --swap-wrapper: %s). "
+                        "'none' always runs first as the baseline." % (",".join(MODES), ",".join(SWAP_WRAPPER_MODES)))
+    p.add_argument("--swap-wrapper", action="store_true",
+                   help="compare the swap_wrapper modes (%s) instead" % ",".join(SWAP_WRAPPER_MODES))
+    p.add_argument("--layers", type=int, default=8, help="transformer layers (default 8)")
+    p.add_argument("--dim", type=int, default=128, help="model width (default 128)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--seq", type=int, default=256, help="sequence length (default 256)")
+    p.add_argument("--batch", type=int, default=4, help="batch size (default 4)")
+    p.add_argument("--vocab", type=int, default=512, help="vocabulary size (default 512)")
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout probability (default 0.1)")
+    p.add_argument("--steps", type=int, default=3, help="training steps per mode (default 3)")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=1234, help="seed for init, batches and dropout (default 1234)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1, npu (default cpu)")
+    p.add_argument("--dtype", choices=_DTYPES, default="float32", help="parameter/activation dtype (default float32)")
+    p.add_argument("--swap-threshold-bytes", type=int, default=None,
+                   help="size from which swap_with_policy swaps a tensor (default: the size of one "
+                        "batch x heads x seq x seq attention matrix in --dtype)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON to PATH")
+    p.add_argument("--plot", metavar="PATH", default=None, help="save a bar chart to PATH (needs matplotlib)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads for each worker (default: torch's own choice)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per mode (default 1800)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 3 when an expected memory ordering (SPEC section 5) does not hold")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--worker", metavar="MODE", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def _config(args) -> Dict[str, Any]:
+    return {
+        "vocab": args.vocab, "dim": args.dim, "heads": args.heads, "layers": args.layers,
+        "seq": args.seq, "dropout": args.dropout, "batch": args.batch, "steps": args.steps,
+        "lr": args.lr, "seed": args.seed, "dtype": args.dtype,
+        "swap_wrapper": bool(args.swap_wrapper),
+        "swap_threshold_bytes": swap_threshold(args),
+        "threads": args.threads,
+    }
+
+
+def attention_matrix_bytes(batch: int, heads: int, seq: int, dtype: str) -> int:
+    """Bytes of one ``(batch, heads, seq, seq)`` attention score matrix."""
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return batch * heads * seq * seq * size
+
+
+def swap_threshold(args) -> int:
+    if args.swap_threshold_bytes is not None:
+        return int(args.swap_threshold_bytes)
+    return attention_matrix_bytes(args.batch, args.heads, args.seq, args.dtype)
+
+
+def _mode_list(args, parser) -> List[str]:
+    allowed = SWAP_WRAPPER_MODES if args.swap_wrapper else MODES
+    if args.modes is None:
+        modes = list(allowed)
+    else:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        bad = [m for m in modes if m not in allowed]
+        if bad:
+            parser.error("unknown mode(s) %s; choose from %s" % (", ".join(bad), ", ".join(allowed)))
+    # The baseline first, each mode once.
+    ordered = ["none"] + [m for m in modes if m != "none"]
+    return list(dict.fromkeys(ordered))
+
+
+# ------------------------------------------------------------------------ worker
+
+def _stats_to_plain(obj: Any) -> Any:
+    """Make ``SwapManager().stats()`` JSON-friendly (keys to str, numbers kept)."""
+    if isinstance(obj, dict):
+        return {str(k): _stats_to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_stats_to_plain(v) for v in obj]
+    if isinstance(obj, (int, float, str, bool)) or obj is None:
+        return obj
+    try:
+        return float(obj)
+    except (TypeError, ValueError):
+        return str(obj)
+
+
+def run_worker(args) -> int:
+    """Train one mode in this process and print one JSON line on stdout."""
+    import torch
+
+    from hyper_parallel.bench.model import GPT, GPTConfig, train_steps
+    from hyper_parallel.bench.modes import apply_mode
+
+    mode = args.worker
+    allowed = SWAP_WRAPPER_MODES if args.swap_wrapper else MODES
+    if mode not in allowed:
+        print(f"unknown mode {mode!r}; choose from {', '.join(allowed)}", file=sys.stderr)
+        return 2
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    swap_manager = None
+    if mode != "none":
+        from hyper_parallel.core.activation_checkpoint import SwapManager
+
+        swap_manager = SwapManager()
+    else:  # the baseline must run without the library core
+        try:
+            from hyper_parallel.core.activation_checkpoint import SwapManager
+
+            swap_manager = SwapManager()
+        except ImportError:
+            swap_manager = None
+    from hyper_parallel.tools.memory import MemoryMeter
+
+    cfg = GPTConfig(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers,
+                    seq=args.seq, dropout=args.dropout)
+    model = GPT(cfg, seed=args.seed).to(device=device, dtype=dtype)
+    if swap_manager is not None:
+        swap_manager.reset()
+    apply_mode(model, mode, swap_wrapper=args.swap_wrapper, swap_threshold_bytes=swap_threshold(args))
+
+    meters: List[Any] = []
+
+    def make_meter(model_, optimizer):
+        m = MemoryMeter(device, track=[model_, optimizer])
+        meters.append(m)
+        return m
+
+    def on_step(step: int, loss: float) -> None:
+        print(f"{_PROGRESS_TAG} {step + 1} {args.steps}", file=sys.stderr, flush=True)
+
+    times: List[float] = []
+    losses = train_steps(model, args.steps, args.batch, args.lr, args.seed, device,
+                         meter=make_meter, times=times, on_step=on_step)
+    peak = int(meters[0].peak_bytes) if meters else 0
+    stats = _stats_to_plain(swap_manager.stats()) if swap_manager is not None else {}
+    offloaded = int(stats.get("offloaded_bytes", 0) or 0) if isinstance(stats, dict) else 0
+    result = {
+        "mode": mode,
+        "peak_bytes": peak,
+        "offloaded_bytes": offloaded,
+        "step_time_s": statistics.median(times) if times else 0.0,
+        "step_times_s": times,
+        "losses": losses,
+        "stats": stats,
+        "process_cpu_s": time.process_time(),
+    }
+    sys.stdout.write(_RESULT_TAG + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+# ------------------------------------------------------------------ orchestrator
+
+class _Progress:
+    """A dependency-free progress bar on stderr (one line per mode when not a tty)."""
+
+    def __init__(self, total: int, enabled: bool, width: int = 28) -> None:
+        self.total = max(1, total)
+        self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.width = width
+        self.done = 0
+        self.start = time.perf_counter()
+        self._last_len = 0
+
+    def show(self, label: str) -> None:
+        if not self.tty:
+            return
+        frac = min(1.0, self.done / self.total)
+        filled = int(round(frac * self.width))
+        line = "[%s%s] %3d%% %-28s %6.1fs" % ("#" * filled, "." * (self.width - filled), int(frac * 100),
+                                                label[:28], time.perf_counter() - self.start)
+        pad = max(0, self._last_len - len(line))
+        sys.stderr.write("\r" + line + " " * pad)
+        sys.stderr.flush()
+        self._last_len = len(line)
+
+    def log(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            sys.stderr.write("\r" + " " * self._last_len + "\r")
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        self._last_len = 0
+
+    def close(self) -> None:
+        if self.tty and self._last_len:
+            sys.stderr.write("\r" + " " * self._last_len + "\r")
+            sys.stderr.flush()
+
+
+def _worker_env() -> Dict[str, str]:
+    env = dict(os.environ)
+    # Make the package importable from the worker even when not installed.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parts = [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _worker_argv(args, mode: str) -> List[str]:
+    argv = [sys.executable, "-m", "hyper_parallel.bench", "--worker", mode,
+            "--layers", str(args.layers), "--dim", str(args.dim), "--heads", str(args.heads),
+            "--seq", str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab),
+            "--dropout", repr(args.dropout), "--steps", str(args.steps), "--lr", repr(args.lr),
+            "--seed", str(args.seed), "--device", args.device, "--dtype", args.dtype,
+            "--swap-threshold-bytes", str(swap_threshold(args))]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    if args.swap_wrapper:
+        argv.append("--swap-wrapper")
+    return argv
+
+
+def run_mode(args, mode: str, progress: _Progress, base_done: int) -> Dict[str, Any]:
+    """Run one worker subprocess; return its result dict or an error dict."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(_worker_argv(args, mode), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, env=_worker_env())
+    out_chunks: List[str] = []
+    reader = threading.Thread(target=lambda: out_chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    timer = threading.Timer(args.timeout, proc.kill)
+    timer.start()
+    err_lines: List[str] = []
+    try:
+        progress.show(f"{mode}: starting")
+        for line in proc.stderr:
+            if line.startswith(_PROGRESS_TAG):
+                try:
+                    step = int(line.split()[1])
+                except (IndexError, ValueError):
+                    step = 0
+                progress.done = base_done + step
+                progress.show(f"{mode}: step {step}/{args.steps}")
+            else:
+                err_lines.append(line)
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+        reader.join()
+    elapsed = time.perf_counter() - t0
+    stdout = "".join(out_chunks)
+    stderr = "".join(err_lines)
+    result = None
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(_RESULT_TAG):
+            try:
+                result = json.loads(line[len(_RESULT_TAG):])
+            except json.JSONDecodeError:
+                result = None
+            break
+    if rc != 0 or result is None:
+        reason = f"exit status {rc}" if rc != 0 else "no result line"
+        if rc in (-9, 137) and elapsed >= args.timeout:
+            reason = f"timed out after {args.timeout:.0f}s"
+        return {"mode": mode, "error": reason, "returncode": rc, "stderr": stderr,
+                "stdout": stdout, "wall_s": elapsed}
+    result["wall_s"] = elapsed
+    if stderr.strip():
+        result["stderr"] = stderr
+    return result
+
+
+def losses_match(losses: Sequence[float], baseline: Sequence[float], exact: bool) -> bool:
+    if len(losses) != len(baseline):
+        return False
+    if exact:
+        return all(a == b for a, b in zip(losses, baseline))
+    return all(abs(a - b) <= LOSS_ATOL for a, b in zip(losses, baseline))
+
+
+def memory_checks(results: List[Dict[str, Any]], swap_wrapper: bool) -> List[Dict[str, Any]]:
+    """The peak-memory orderings SPEC section 5 expects, evaluated on ``results``."""
+    peak = {r["mode"]: r["peak_bytes"] for r in results if "error" not in r}
+    checks: List[Dict[str, Any]] = []
+
+    def greater(a: str, b: str) -> None:
+        if a in peak and b in peak:
+            checks.append({"check": f"{a} > {b}", "ok": peak[a] > peak[b]})
+
+    if swap_wrapper:
+        greater("none", "swap_with_policy")
+        greater("swap_with_policy", "swap")
+    else:
+        greater("none", "save")
+        greater("save", "recompute")
+        greater("none", "recompute")
+        if "swap" in peak and "recompute" in peak and "none" in peak:
+            # "about equal": swap brings the peak down at least 2/3 as far as
+            # recompute does.  (Around a layer boundary in backward the swap
+            # schedule holds two layers' swapped tensors, the current one and the
+            # prefetched predecessor, so it sits a little above recompute.)
+            saved_recompute = peak["none"] - peak["recompute"]
+            saved_swap = peak["none"] - peak["swap"]
+            ratio = saved_swap / saved_recompute if saved_recompute > 0 else 0.0
+            checks.append({"check": "swap ~ recompute", "ok": saved_recompute > 0 and ratio >= 2.0 / 3.0,
+                           "ratio": ratio})
+    return checks
+
+
+def _fmt_losses(losses: Sequence[float]) -> str:
+    vals = ["%.5f" % v for v in losses]
+    if len(vals) > 5:
+        vals = vals[:2] + ["..."] + vals[-2:]
+    return " ".join(vals)
+
+
+def format_table(results: List[Dict[str, Any]]) -> str:
+    base = next((r for r in results if r["mode"] == "none" and "error" not in r), None)
+    base_peak = base["peak_bytes"] if base else 0
+    header = ["mode", "peak MiB", "vs none", "offloaded MiB/step", "step ms", "losses", "matches none"]
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append([r["mode"], "-", "-", "-", "-", "FAILED: " + r["error"], "-"])
+            continue
+        ratio = "%.2fx" % (r["peak_bytes"] / base_peak) if base_peak else "-"
+        match = r.get("matches_baseline")
+        rows.append([
+            r["mode"],
+            "%.1f" % (r["peak_bytes"] / MiB),
+            ratio,
+            "%.1f" % (r["offloaded_bytes"] / MiB / max(1, len(r["losses"]))),
+            "%.0f" % (r["step_time_s"] * 1000.0),
+            _fmt_losses(r["losses"]),
+            "baseline" if r["mode"] == "none" else ("yes" if match else ("NO" if match is not None else "-")),
+        ])
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    right = {1, 2, 3, 4}
+
+    def fmt(row):
+        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w)
+                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    lines = [fmt(header), "  ".join("-" * w for w in widths)]
+    lines += [fmt(r) for r in rows]
+    return "\n".join(lines)
+
+
+def write_plot(path: str, results: List[Dict[str, Any]], title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib, which is not installed: "
+              "pip install 'hyper-parallel[bench]' (or pip install matplotlib). No plot written.",
+              file=sys.stderr)
+        return False
+    ok = [r for r in results if "error" not in r]
+    names = [r["mode"] for r in ok]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(min(14.0, max(8.0, 1.3 * len(names) + 4)), 4.2))
+    peaks = [r["peak_bytes"] / MiB for r in ok]
+    offl = [r["offloaded_bytes"] / MiB / max(1, len(r["losses"])) for r in ok]
+    xs = list(range(len(names)))
+    ax1.bar([x - 0.2 for x in xs], peaks, width=0.4, color="tab:blue", label="peak device memory")
+    ax1.bar([x + 0.2 for x in xs], offl, width=0.4, color="tab:orange", label="offloaded per step")
+    ax1.set_xticks(xs, names, rotation=30, ha="right")
+    ax1.set_ylabel("MiB")
+    ax1.set_title("memory")
+    ax1.legend(fontsize=8)
+    for x, v in zip(xs, peaks):
+        ax1.text(x - 0.2, v, "%.0f" % v, ha="center", va="bottom", fontsize=8)
+    ax2.bar(xs, [r["step_time_s"] * 1000 for r in ok], color="tab:green")
+    ax2.set_xticks(xs, names, rotation=30, ha="right")
+    ax2.set_ylabel("ms (median step)")
+    ax2.set_title("step time")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def run_comparison(args, parser) -> int:
+    modes = _mode_list(args, parser)
+    config = _config(args)
+    exact = args.device.split(":")[0] == "cpu"
+    progress = _Progress(total=len(modes) * max(1, args.steps), enabled=not args.no_progress)
+    t_start = time.perf_counter()
+    results: List[Dict[str, Any]] = []
+    for i, mode in enumerate(modes):
+        r = run_mode(args, mode, progress, base_done=i * max(1, args.steps))
+        progress.done = (i + 1) * max(1, args.steps)
+        if "error" in r:
+            progress.log(f"[{i + 1}/{len(modes)}] {mode}: FAILED ({r['error']}) after {r['wall_s']:.1f}s")
+        else:
+            progress.log(f"[{i + 1}/{len(modes)}] {mode}: done in {r['wall_s']:.1f}s")
+        results.append(r)
+    progress.close()
+    total = time.perf_counter() - t_start
+
+    base = results[0] if results and results[0]["mode"] == "none" and "error" not in results[0] else None
+    for r in results:
+        if "error" in r:
+            r["matches_baseline"] = False
+        elif base is None:
+            r["matches_baseline"] = None
+        else:
+            r["matches_baseline"] = losses_match(r["losses"], base["losses"], exact)
+    checks = memory_checks(results, args.swap_wrapper)
+
+    kind = "swap_wrapper" if args.swap_wrapper else "checkpoint_wrapper"
+    cfg_line = ("layers=%(layers)d dim=%(dim)d heads=%(heads)d seq=%(seq)d batch=%(batch)d "
+                "vocab=%(vocab)d steps=%(steps)d dtype=%(dtype)s" % config)
+    print(f"hyper-parallel bench ({kind} modes) on {args.device}: {cfg_line}")
+    if args.swap_wrapper:
+        print(f"swap_with_policy threshold: {config['swap_threshold_bytes']} bytes")
+    print(format_table(results))
+    print("loss comparison: %s" % ("bitwise (cpu)" if exact else f"|diff| <= {LOSS_ATOL:g}"))
+    for c in checks:
+        extra = " (swap saves %.0f%% of what recompute saves)" % (100 * c["ratio"]) if "ratio" in c else ""
+        print("memory check %-22s %s%s" % (c["check"], "ok" if c["ok"] else "NOT MET", extra))
+    print("total %.1fs" % total)
+
+    failed = [r for r in results if "error" in r]
+    for r in failed:
+        print(f"\n===== worker {r['mode']!r} failed: {r['error']} =====", file=sys.stderr)
+        tail = r.get("stderr", "").strip().splitlines()[-80:]
+        if tail:
+            print("\n".join(tail), file=sys.stderr)
+        out_tail = r.get("stdout", "").strip().splitlines()[-20:]
+        if out_tail:
+            print("--- stdout ---\n" + "\n".join(out_tail), file=sys.stderr)
+
+    if args.json:
+        import torch
+
+        doc = {
+            "device": args.device,
+            "kind": kind,
+            "torch": torch.__version__,
+            "config": config,
+            "results": [{k: v for k, v in r.items() if k != "stdout"} for r in results],
+            "checks": checks,
+            "total_time_s": total,
+        }
+        d = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(d, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+    if args.plot:
+        if write_plot(args.plot, results, f"{kind} modes, {args.device}: {cfg_line}"):
+            print(f"plot written to {args.plot}")
+
+    if failed:
+        return 1
+    if any(r["matches_baseline"] is False for r in results):
+        bad = ", ".join(r["mode"] for r in results if r["matches_baseline"] is False)
+        print(f"losses differ from the baseline for: {bad}", file=sys.stderr)
+        return 2
+    if args.strict and any(not c["ok"] for c in checks):
+        return 3
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if min(args.layers, args.dim, args.heads, args.seq, args.batch, args.vocab) < 1 or args.steps < 1:
+        parser.error("--layers, --dim, --heads, --seq, --batch, --vocab and --steps must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
+    if args.dim % args.heads:
+        parser.error(f"--dim ({args.dim}) must be divisible by --heads ({args.heads})")
+    if args.worker is not None:
+        return run_worker(args)
+    return run_comparison(args, parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""A small GPT-like model for the tests and the mode-comparison bench.
+
+The model is written so that what activation checkpointing and swapping see is
+easy to reason about:
+
+* attention is written by hand (``torch.matmul`` + ``masked_fill`` + softmax),
+  so its matmuls reach the dispatcher as ``aten.mm`` / ``aten.addmm`` /
+  ``aten.bmm`` and can be targeted by a policy function;
+* the causal mask is one registered buffer that ``GPT.forward`` passes, by
+  keyword, to every layer: a tensor shared by all layers, which a swap system
+  must keep on the device;
+* the output head is tied to the token embedding (a parameter used twice);
+* dropout is on by default, so bit-exactness of recompute is tested with RNG.
+
+Everything is deterministic: the parameters come from a private generator
+seeded by ``GPT(cfg, seed=...)``, batches from ``make_batch(cfg, batch, seed)``,
+and ``train_steps`` seeds the global RNG (dropout) from its ``seed``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "GPTConfig",
+    "GPT",
+    "Block",
+    "Attention",
+    "MLP",
+    "make_batch",
+    "train_steps",
+]
+
+
+@dataclass
+class GPTConfig:
+    """Shape of the model.
+
+    ``seq`` is the maximum (and bench) sequence length; the causal mask buffer
+    has shape ``(seq, seq)``.
+    """
+
+    vocab: int = 512
+    dim: int = 256
+    heads: int = 4
+    layers: int = 4
+    seq: int = 256
+    dropout: float = 0.1
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        if self.dim % self.heads != 0:
+            raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
+        for name in ("vocab", "dim", "heads", "layers", "seq", "mlp_ratio"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention, written out op by op."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.head_dim = cfg.dim // cfg.heads
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.attn_drop = nn.Dropout(cfg.dropout)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` is boolean, True where a position must NOT be attended."""
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)  # three views of one tensor
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        if mask.shape[-1] != t or mask.shape[-2] != t:
+            mask = mask[:t, :t]
+        scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        scores = scores.masked_fill(mask, float("-inf"))
+        probs = self.attn_drop(torch.softmax(scores, dim=-1))
+        out = torch.matmul(probs, v)  # (b, heads, t, head_dim)
+        out = out.transpose(1, 2).reshape(b, t, d)
+        return self.resid_drop(self.proj(out))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward block: Linear, GELU, Linear, dropout."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        hidden = cfg.mlp_ratio * cfg.dim
+        self.fc = nn.Linear(cfg.dim, hidden)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(hidden, cfg.dim)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), mask=mask)
+        x = x + self.mlp(self.ln2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``cfg.layers`` blocks, final norm, tied head."""
+
+    def __init__(self, cfg: GPTConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # PyTorch's default init draws from the global RNG; it is overwritten by
+        # reset_parameters below, so restore the global RNG afterwards.
+        with torch.random.fork_rng(devices=[]):
+            self.tok_emb = nn.Embedding(cfg.vocab, cfg.dim)
+            self.pos_emb = nn.Embedding(cfg.seq, cfg.dim)
+            self.drop = nn.Dropout(cfg.dropout)
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+            self.ln_f = nn.LayerNorm(cfg.dim)
+            self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied
+        mask = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).triu(diagonal=1)
+        self.register_buffer("mask", mask)  # True = future position, masked out
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Deterministic GPT-2 style init from ``seed`` (global RNG untouched)."""
+        gen = torch.Generator(device="cpu").manual_seed(int(seed))
+        std = 0.02
+        proj_std = std / math.sqrt(2 * self.cfg.layers)
+
+        def normal_(p: torch.Tensor, s: float) -> None:
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(s))
+
+        normal_(self.tok_emb.weight, std)
+        normal_(self.pos_emb.weight, std)
+        for layer in self.layers:
+            for ln in (layer.ln1, layer.ln2):
+                ln.weight.fill_(1.0)
+                ln.bias.zero_()
+            for lin, s in (
+                (layer.attn.qkv, std),
+                (layer.attn.proj, proj_std),
+                (layer.mlp.fc, std),
+                (layer.mlp.proj, proj_std),
+            ):
+                normal_(lin.weight, s)
+                lin.bias.zero_()
+        self.ln_f.weight.fill_(1.0)
+        self.ln_f.bias.zero_()
+
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``(batch, t, vocab)``; the mean cross-entropy if ``targets`` is given."""
+        _, t = tokens.shape
+        if t > self.cfg.seq:
+            raise ValueError(f"sequence length {t} exceeds cfg.seq={self.cfg.seq}")
+        pos = torch.arange(t, device=tokens.device)
+        h = self.drop(self.tok_emb(tokens) + self.pos_emb(pos))
+        for layer in self.layers:
+            h = layer(h, mask=self.mask)
+        logits = self.head(self.ln_f(h))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def make_batch(cfg: GPTConfig, batch: int, seed: int, device: Any = "cpu"):
+    """A deterministic ``(tokens, targets)`` pair, both int64 ``(batch, cfg.seq)``.
+
+    Each sequence is an arithmetic progression modulo ``vocab`` with a random
+    start and a random stride in ``[1, 4]``; targets are the next tokens.  The
+    stride can only be read from the context, so attention has something to
+    learn and the loss falls within a few steps.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    start = torch.randint(0, cfg.vocab, (batch, 1), generator=gen)
+    stride = torch.randint(1, 5, (batch, 1), generator=gen)
+    pos = torch.arange(cfg.seq + 1).unsqueeze(0)
+    seqs = (start + stride * pos) % cfg.vocab
+    tokens = seqs[:, :-1].contiguous().to(device)
+    targets = seqs[:, 1:].contiguous().to(device)
+    return tokens, targets
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cpu":
+        return
+    mod = getattr(torch, device.type, None)
+    sync = getattr(mod, "synchronize", None)
+    if sync is not None:
+        sync()
+
+
+def train_steps(
+    model: nn.Module,
+    steps: int,
+    batch: int,
+    lr: float,
+    seed: int,
+    device: Any = "cpu",
+    meter: Any = None,
+    times: Optional[List[float]] = None,
+    on_step: Optional[Callable[[int, float], None]] = None,
+) -> List[float]:
+    """Train ``model`` for ``steps`` Adam steps and return each step's loss.
+
+    Step ``i`` uses ``make_batch(cfg, batch, seed + i)``; the global RNG
+    (dropout) is seeded from ``seed`` first, so two calls with the same
+    arguments on equal models give equal losses.
+
+    ``meter`` wraps the training loop when given: either a context manager, or
+    a callable ``meter(model, optimizer)`` that returns one (use this form to
+    let a memory meter track the optimizer created here).  ``times``, when a
+    list, receives each step's wall time in seconds; ``on_step(i, loss)`` is
+    called after each step.
+    """
+    device = torch.device(device)
+    cfg: GPTConfig = model.cfg
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    torch.manual_seed(int(seed))
+    model.train()
+
+    if meter is None:
+        ctx = _NullContext()
+    elif hasattr(meter, "__enter__"):
+        ctx = meter
+    elif callable(meter):
+        ctx = meter(model, optimizer)
+    else:
+        raise TypeError(f"meter must be a context manager or a callable, got {type(meter)!r}")
+
+    losses: List[float] = []
+    with ctx:
+        for step in range(int(steps)):
+            tokens, targets = make_batch(cfg, batch, seed + step, device=device)
+            _synchronize(device)
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(tokens, targets)
+            loss.backward()
+            optimizer.step()
+            value = float(loss.detach().item())  # synchronises
+            _synchronize(device)
+            if times is not None:
+                times.append(time.perf_counter() - t0)
+            losses.append(value)
+            del loss
+            if on_step is not None:
+                on_step(step, value)
+    return losses
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

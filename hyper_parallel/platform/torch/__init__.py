@@ -1,0 +1,1 @@
+"""The PyTorch platform: everything in hyper-parallel that imports torch lives here."""

@@ -1,0 +1,1 @@
+"""Developer tools for hyper-parallel (see :mod:`hyper_parallel.tools.memory` for the memory meter)."""
