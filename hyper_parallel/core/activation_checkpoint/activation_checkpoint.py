@@ -103,11 +103,13 @@ def create_selective_checkpoint_contexts(policy_fn_or_list: Union[Callable[..., 
         policy_fn_or_list, allow_cache_entry_mutation=allow_cache_entry_mutation)
 
 
-def pipeline_swap(schedule: Any, prefetch: int = 1, prefix: str = "pp") -> Any:
+def pipeline_swap(schedule: Any, prefetch: int = 1, prefix: str = "pp", measure: bool = False) -> Any:
     """Swap activations per microbatch in a pipeline schedule (``torch.distributed.pipelining``):
     each microbatch's swapped activations are offloaded after its forward and prefetched
-    ``prefetch`` microbatches ahead of its backward, one swap group per (stage, microbatch).
-    Returns ``schedule``; see ``docs/parallel.md``.
+    ``prefetch`` microbatches ahead of its backward, one swap group per (stage, microbatch); at
+    most ``prefetch + 1`` microbatches' swapped bytes are on a stage's device at once.
+    ``measure=True`` records each stage's peak swapped bytes on the device. Returns
+    ``schedule``; see ``docs/parallel.md``.
 
     Example::
 
@@ -115,4 +117,4 @@ def pipeline_swap(schedule: Any, prefetch: int = 1, prefix: str = "pp") -> Any:
         >>> schedule = pipeline_swap(ScheduleGPipe(stage, 4, loss_fn=loss_fn), prefetch=1)  # doctest: +SKIP
         >>> schedule.step(x, target=y)  # doctest: +SKIP
     """
-    return get_platform().pipeline_swap(schedule, prefetch=prefetch, prefix=prefix)
+    return get_platform().pipeline_swap(schedule, prefetch=prefetch, prefix=prefix, measure=measure)

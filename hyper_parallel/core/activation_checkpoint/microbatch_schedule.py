@@ -62,8 +62,6 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, Iterable, List, Optional
 
-from .swap_tensor import TensorState
-
 __all__ = ["MicrobatchSwapSchedule", "resident_swap_bytes"]
 
 # Where a microbatch's swapped activations are, as far as this schedule moved them.
@@ -73,12 +71,10 @@ _HOST = "host"            # offload waited: device memory released
 _LOADING = "loading"      # load launched, not waited
 _DONE = "done"            # backward finished
 
-_ON_DEVICE = (TensorState.DEVICE, TensorState.D2H, TensorState.H2D)
-
-
-def resident_swap_bytes(manager: Any, prefix: Optional[str] = None) -> int:
+def resident_swap_bytes(manager: Any, prefix: Optional[str] = None, pattern: Any = None) -> int:
     """Bytes of swap candidates that currently occupy device memory, summed over the manager's
-    groups (only those whose name starts with ``prefix`` if given).
+    groups (only those whose name starts with ``prefix`` and, if given, matches the compiled
+    regular expression ``pattern``).
 
     A swap candidate occupies the device while it is produced, while its offload is in flight
     (the source is still held), while its load is in flight and after it is loaded; it does not
@@ -87,34 +83,16 @@ def resident_swap_bytes(manager: Any, prefix: Optional[str] = None) -> int:
     already kept nor, before any offload, those an offload would keep because somebody else
     holds their storage (the same test ``launch_offload`` makes).
     """
-    total = 0
-    platform = manager.platform
-    # Package-internal access: SwapManager has no public per-state byte count (yet).
-    for name, group in list(manager._groups.items()):  # pylint: disable=protected-access
-        if prefix is not None and not name.startswith(prefix):
-            continue
-        for t in group._tensors(*_ON_DEVICE):  # pylint: disable=protected-access
-            if t.kept_reason is not None:
-                continue
-            aliases = t._aliases  # pylint: disable=protected-access
-            if aliases is not None and platform.storage_other_holders(aliases) > 0:
-                continue  # shared: an offload would keep it
-            total += t.nbytes
-    return total
+    return sum(manager._group(name).resident_swap_bytes() for name in manager.group_names()
+               if (prefix is None or name.startswith(prefix))
+               and (pattern is None or pattern.match(name)))
 
 
 def _discard_group(manager: Any, name: str) -> None:
     """Remove group ``name`` from the manager even if storages of it are still alive (a graph
-    the user kept from an aborted step): they keep working as SAVE / stay where they are and
-    give their host buffers back when they die, but the name is free for the next step."""
-    discard = getattr(manager, "discard_group", None)
-    if discard is not None:  # a public API, if the manager grows one
-        discard(name)
-        return
-    groups = manager._groups  # pylint: disable=protected-access
-    group = groups.get(name)
-    if group is not None and name != manager.get_current_group_name():
-        groups.pop(name, None)
+    the user kept from an aborted step): they stay where they are and give their host buffers
+    back when they die, but the name is free for the next step."""
+    manager.discard_group(name)
 
 
 class MicrobatchSwapSchedule:
@@ -132,15 +110,19 @@ class MicrobatchSwapSchedule:
 
     Attributes (reset by ``reset_stats()`` only):
         peak_resident_bytes: the largest :func:`resident_swap_bytes` of this schedule's groups
-            seen at the schedule's own peak points (end of a forward, start of a backward).
+            seen at the schedule's own peak points (end of a forward, start of a backward); only
+            with ``measure_bytes=True``.
         peak_resident_microbatches: the most microbatches whose swapped bytes were on the device
             at once, as this schedule moved them.
         offloads, loads, cancelled: how many offloads and loads it launched, and how many of its
             offloads were cancelled by a load while in flight.
+
+    ``measure_bytes=True`` turns on ``peak_resident_bytes`` (it walks the schedule's swap tensors
+    twice per microbatch; off by default, ``peak_resident_microbatches`` is always kept).
         steps, aborts: finished and aborted steps.
     """
 
-    def __init__(self, manager: Any, prefix: str, prefetch: int = 1) -> None:
+    def __init__(self, manager: Any, prefix: str, prefetch: int = 1, measure_bytes: bool = False) -> None:
         if not isinstance(prefix, str) or not prefix:
             raise TypeError(f"prefix must be a non-empty str, got {prefix!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -148,6 +130,7 @@ class MicrobatchSwapSchedule:
         self.manager = manager
         self.prefix = prefix
         self.prefetch = prefetch
+        self.measure_bytes = bool(measure_bytes)
         self._name_re = re.compile(re.escape(prefix) + r"mb\d+\Z")
         self.reset_stats()
         self._reset_state()
@@ -200,9 +183,9 @@ class MicrobatchSwapSchedule:
     def _note_peak(self) -> None:
         resident = sum(1 for s in self._state.values() if s in (_DEVICE, _OFFLOADING, _LOADING))
         self.peak_resident_microbatches = max(self.peak_resident_microbatches, resident)
-        nbytes = sum(resident_swap_bytes(self.manager, self.group_name(mb))
-                     for mb, s in self._state.items() if s != _DONE and self._exists(mb))
-        self.peak_resident_bytes = max(self.peak_resident_bytes, nbytes)
+        if self.measure_bytes:
+            nbytes = resident_swap_bytes(self.manager, self.prefix, self._name_re)
+            self.peak_resident_bytes = max(self.peak_resident_bytes, nbytes)
 
     @staticmethod
     def _check_mb(microbatch: Any) -> int:

@@ -89,6 +89,10 @@ class SwapGroup:
     def has_state(self, state: TensorState) -> bool:
         return bool(self._tensors(state))
 
+    def resident_swap_bytes(self) -> int:
+        """Bytes of this group's swap candidates that occupy device memory now."""
+        return sum(t.nbytes for s in list(self._storages) for t in s.swap_tensors() if t.resident_candidate)
+
     @property
     def idle(self) -> bool:
         return not (self.offload_pending or self.load_pending)

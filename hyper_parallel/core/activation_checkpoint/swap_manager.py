@@ -114,6 +114,20 @@ class SwapManager:
         if previous is not None and previous != group_name:
             self._forget_if_empty(previous)
 
+    def discard_group(self, group_name: str) -> None:
+        """Forget group ``group_name`` without moving anything (no-op if unknown): storages of it
+        that are still alive stay where they are and give their host buffers back when they die.
+        Used to clean up after an aborted step so the name is free for the next one."""
+        if self._groups.pop(group_name, None) is not None and group_name == self._current_group_name:
+            self._current_group_name = None
+
+    def resident_swap_bytes(self, prefix: Optional[str] = None) -> int:
+        """Bytes of swap candidates occupying device memory now (produced and not yet offloaded,
+        in flight, or loaded back), over the groups whose name starts with ``prefix`` (all if
+        ``None``). Tensors kept on the device for good (parameters, shared ones) are excluded."""
+        return sum(g.resident_swap_bytes() for name, g in list(self._groups.items())
+                   if prefix is None or name.startswith(prefix))
+
     def get_current_group_name(self) -> Optional[str]:
         return self._current_group_name
 

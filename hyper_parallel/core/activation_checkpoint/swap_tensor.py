@@ -62,6 +62,17 @@ class SwapTensor:
         """True while the original (never moved) saved tensors are still held."""
         return self._aliases is not None
 
+    @property
+    def resident_candidate(self) -> bool:
+        """True while this storage occupies device memory *as a swap candidate*: produced and not
+        yet offloaded (unless somebody else holds it, so an offload would keep it), in flight,
+        or loaded back."""
+        if self.kept_reason is not None or self._state is TensorState.HOST:
+            return False
+        if self._aliases is not None and self._p.storage_other_holders(self._aliases) > 0:
+            return False
+        return True
+
     def add_alias(self, alias: Any) -> int:
         """Register one more saved tensor viewing this storage; returns its index."""
         if self._state is not TensorState.DEVICE or self._aliases is None:

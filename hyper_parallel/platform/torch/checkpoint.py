@@ -52,6 +52,8 @@ def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None, 
     if options.get("debug") and policy is not None:
         raise ValueError("checkpoint: debug=True cannot be combined with policy_fn (PyTorch's debug mode "
                          "only works with its default context_fn); drop one of them.")
+    if policy is not None:
+        _refuse_sharded_units_inside(_owner(function))
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)  # nothing is saved: nothing to checkpoint or swap
 
@@ -86,6 +88,28 @@ def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None, 
         if region is not None and region.policy_error is not None and region.policy_error is not err:
             raise region.policy_error from None  # an operator (a @ b) replaced it by its own message
         raise
+
+
+def _fsdp_module_class() -> Any:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a build without torch.distributed
+        return None
+    return FSDPModule
+
+
+def _refuse_sharded_units_inside(owner: Any) -> None:
+    """FSDP2 units inside a selective region run their all-gather/reshard hooks differently in
+    forward and in recompute, which a selective policy cannot replay: say so plainly."""
+    fsdp = _fsdp_module_class()
+    if fsdp is None or not isinstance(owner, torch.nn.Module):
+        return
+    for name, sub in owner.named_modules():
+        if name and isinstance(sub, fsdp):
+            raise ValueError(
+                f"checkpoint_wrapper with a policy_fn around a module that contains fully_shard units "
+                f"({name!r}) is not supported: wrap each layer with checkpoint_wrapper/swap_wrapper "
+                "first, then apply fully_shard to the layers and the root.")
 
 
 def _nested() -> bool:

@@ -86,6 +86,16 @@ def _swapping(stage: Any) -> bool:
     return bool(getattr(stage, "has_backward", True)) and torch.is_grad_enabled()
 
 
+def _clean_up_after(error: BaseException, clean_up: Any, *args: Any) -> None:
+    """Run ``clean_up(*args)`` on an exception path without hiding ``error`` (which is re-raised
+    by the caller): a failure of the clean-up is attached to it as a note."""
+    try:
+        clean_up(*args)
+    except Exception as exc:  # noqa: BLE001
+        if hasattr(error, "add_note"):  # Python >= 3.11
+            error.add_note(f"hyper_parallel pipeline_swap: clean-up after this error failed too: {exc!r}")
+
+
 def _make_stage_class(cls: type) -> type:
     class SwapStage(cls):  # type: ignore[valid-type, misc]
         """A pipeline stage whose microbatch forwards/backwards drive its swap schedule."""
@@ -100,9 +110,9 @@ def _make_stage_class(cls: type) -> type:
             sched.forward_start(fwd_chunk_id)
             try:
                 output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-            except BaseException:
+            except BaseException as error:
                 sched.forward_end(fwd_chunk_id, failed=True)
-                sched.abort()
+                _clean_up_after(error, sched.abort)
                 raise
             sched.forward_end(fwd_chunk_id)
             return output
@@ -115,8 +125,8 @@ def _make_stage_class(cls: type) -> type:
             sched.backward_start(bwd_chunk_id)
             try:
                 result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-            except BaseException:
-                sched.abort()
+            except BaseException as error:
+                _clean_up_after(error, sched.abort)
                 raise
             sched.backward_end(bwd_chunk_id)
             return result
@@ -138,8 +148,8 @@ def _make_schedule_class(cls: type) -> type:
                     sched.abort()
             try:
                 result = super().step(*args, **kwargs)
-            except BaseException:
-                abort_pipeline_step(self)
+            except BaseException as error:
+                _clean_up_after(error, abort_pipeline_step, self)
                 raise
             for sched in scheds:
                 sched.step_end()
@@ -186,7 +196,7 @@ def abort_pipeline_step(schedule: Any) -> None:
         raise first_error
 
 
-def pipeline_swap(schedule: Any, prefetch: int = 1, prefix: str = "pp") -> Any:
+def pipeline_swap(schedule: Any, prefetch: int = 1, prefix: str = "pp", measure: bool = False) -> Any:
     """Offload each microbatch's activations after its forward and prefetch them before its
     backward, on every stage ``schedule`` runs on this process. Returns ``schedule``.
 
@@ -206,6 +216,8 @@ def pipeline_swap(schedule: Any, prefetch: int = 1, prefix: str = "pp") -> Any:
 
     The per-stage :class:`MicrobatchSwapSchedule` objects (with their peak statistics) are in
     ``schedule.hp_swap_schedules`` (``stage_index -> schedule``); see also :func:`swap_schedules`.
+    ``measure=True`` also records the peak swapped bytes on each stage's device
+    (``peak_resident_bytes``; it costs a walk over the step's swap tensors per microbatch).
     """
     if _is_swapped(schedule):
         raise ValueError(f"{type(schedule).__name__} already has pipeline_swap applied.")
@@ -218,7 +230,8 @@ def pipeline_swap(schedule: Any, prefetch: int = 1, prefix: str = "pp") -> Any:
                              "(through another schedule).")
     manager = _manager()
     # Validate everything before changing any class.
-    scheds = {stage.stage_index: MicrobatchSwapSchedule(manager, f"{prefix}{stage.stage_index}.", prefetch)
+    scheds = {stage.stage_index: MicrobatchSwapSchedule(manager, f"{prefix}{stage.stage_index}.", prefetch,
+                                                        measure_bytes=measure)
               for stage in stages}
     for stage in stages:
         stage.__class__ = _subclass(_make_stage_class, type(stage))
