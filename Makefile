@@ -3,6 +3,7 @@
 #   make test        create .venv if missing, install, run every test
 #   make test-quick  same, without the slow and the distributed tests
 #   make demo        same install, then run the mode-comparison bench
+#   make test-mindspore  create .venv-ms (mindspore==2.10.0, numpy<2), run tests_mindspore/
 #
 # Installing is idempotent: a stamp file inside .venv, named after a hash of
 # pyproject.toml and of the torch pin, records a finished install, so a second
@@ -49,3 +50,5 @@ $(STAMP): | $(PY)
 clean:
 	rm -rf build dist *.egg-info .pytest_cache results
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -print -exec rm -rf {} +
+
+include mk/mindspore.mk

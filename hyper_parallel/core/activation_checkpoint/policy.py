@@ -103,7 +103,8 @@ def normalize_policy(value: Any, op: Any,
             return converted
     raise TypeError(
         f"policy_fn returned {value!r} (type {type(value).__name__}) for op {op}; expected a "
-        "hyper_parallel CheckpointPolicy member, a bool, or a torch.utils.checkpoint.CheckpointPolicy."
+        "hyper_parallel CheckpointPolicy member, a bool, or the framework's own checkpoint policy "
+        "enum (e.g. torch.utils.checkpoint.CheckpointPolicy)."
     )
 
 
