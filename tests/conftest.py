@@ -9,13 +9,21 @@ import torch
 # make ``import helpers`` work whatever the rootdir / import mode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# One intra-op thread for the whole session: these small models only pay thread hand-offs, which
+# cost 10-20x on a busy 2-core machine. Session-wide (not per test) so that module-scoped
+# reference results and the tests comparing against them reduce in the same order, bit for bit.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
-def _clean_swap_manager_and_rng():
+def fresh_manager():
+    """A clean SwapManager (groups, chain, stats, host pool and limit) before and after each test,
+    and a known RNG."""
     from hyper_parallel.core.activation_checkpoint import SwapManager
 
-    SwapManager().reset()
+    mgr = SwapManager()
+    mgr.reset()
     torch.manual_seed(0)
-    yield
-    SwapManager().reset()
+    yield mgr
+    mgr.reset()
     torch.manual_seed(0)

@@ -16,20 +16,6 @@ from hyper_parallel.tools.memory import MemoryMeter
 from swap_models import ToyNet, assert_tensors_equal, grads, group, make_input, round_trip, train
 
 
-@pytest.fixture(autouse=True)
-def fresh_manager():
-    """A clean SwapManager before and after each test (reset() keeps the host memory limit,
-    so clear it too). One intra-op thread: these tiny models only pay thread hand-offs, which
-    cost 10-20x on a busy 2-core machine (both sides of every comparison use the same setting)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    mgr = SwapManager()
-    mgr.reset()
-    mgr.set_host_memory_limit(None)
-    yield mgr
-    mgr.reset()
-    mgr.set_host_memory_limit(None)
-    torch.set_num_threads(threads)
 
 
 def _fresh(n: int = 16, seed: int = 0) -> torch.Tensor:

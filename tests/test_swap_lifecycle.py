@@ -17,20 +17,6 @@ from swap_models import (ManagerSpy, ToyNet, assert_tensors_equal, chain, grads,
                          live_tensor_count, make_input)
 
 
-@pytest.fixture(autouse=True)
-def fresh_manager():
-    """A clean SwapManager before and after each test (reset() keeps the host memory limit,
-    so clear it too). One intra-op thread: these tiny models only pay thread hand-offs, which
-    cost 10-20x on a busy 2-core machine (both sides of every comparison use the same setting)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    mgr = SwapManager()
-    mgr.reset()
-    mgr.set_host_memory_limit(None)
-    yield mgr
-    mgr.reset()
-    mgr.set_host_memory_limit(None)
-    torch.set_num_threads(threads)
 
 
 def _chained(**kw) -> ToyNet:

@@ -196,8 +196,11 @@ def _take(x: Any) -> Any:
     return x.get_val() if isinstance(x, (Saved, SwapView)) else x
 
 
-class _CachingMode(TorchDispatchMode):
-    """Forward of a selective region: run each op, ask the policy, keep what it says to keep."""
+class _RegionMode(TorchDispatchMode):
+    """A dispatch mode of one selective region that also marks (on this thread) that the
+    region's forward, or its recomputation, is running."""
+
+    recompute = False
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -206,9 +209,9 @@ class _CachingMode(TorchDispatchMode):
     def __init__(self, region: SelectiveRegion) -> None:
         super().__init__()
         self.region = region
-        self._marker = RegionMarker(recompute=False)
+        self._marker = RegionMarker(recompute=self.recompute)
 
-    def __enter__(self) -> "_CachingMode":
+    def __enter__(self) -> "_RegionMode":
         self._marker.__enter__()
         return super().__enter__()
 
@@ -217,6 +220,10 @@ class _CachingMode(TorchDispatchMode):
             super().__exit__(*exc)
         finally:
             self._marker.__exit__(*exc)
+
+
+class _CachingMode(_RegionMode):
+    """Forward of a selective region: run each op, ask the policy, keep what it says to keep."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -228,29 +235,18 @@ class _CachingMode(TorchDispatchMode):
         return out
 
 
-class _CachedMode(TorchDispatchMode):
+class _CachedMode(_RegionMode):
     """Recomputation of a selective region: re-run RECOMPUTE ops, hand back kept outputs."""
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
+    recompute = True
 
     def __init__(self, region: SelectiveRegion) -> None:
-        super().__init__()
-        self.region = region
-        self._marker = RegionMarker(recompute=True)
+        super().__init__(region)
         self._counters: DefaultDict[Any, int] = defaultdict(int)
 
     def __enter__(self) -> "_CachedMode":
         self._counters.clear()  # each backward replays the region from its first op
-        self._marker.__enter__()
         return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            super().__exit__(*exc)
-        finally:
-            self._marker.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}

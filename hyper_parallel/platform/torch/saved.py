@@ -1,11 +1,12 @@
-"""Small shared pieces: a version-checked saved tensor and the thread-local region flags."""
+"""A version-checked saved tensor; the region flags live in the core (re-exported here)."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
+
+from hyper_parallel.core.activation_checkpoint.region_state import RegionMarker, region_flags
 
 __all__ = ["Saved", "region_flags", "RegionMarker"]
 
@@ -27,29 +28,3 @@ class Saved:
                 f"(version {self.version} when saved, {self.val._version} now); gradients would be "
                 "wrong. Use the out-of-place form of the op, or clone the tensor before it is saved.")
         return self.val
-
-
-class _Flags(threading.local):
-    def __init__(self) -> None:
-        self.checkpoint_depth = 0  # inside a hyper_parallel checkpoint region (forward or recompute)
-        self.recompute_depth = 0   # inside the recomputation of one
-
-
-region_flags = _Flags()
-
-
-class RegionMarker:
-    """Context manager marking (on this thread) that a checkpoint region's forward or its
-    recomputation is running. Used as (part of) the checkpoint ``context_fn`` contexts."""
-
-    def __init__(self, recompute: bool) -> None:
-        self.recompute = recompute
-
-    def __enter__(self) -> "RegionMarker":
-        region_flags.checkpoint_depth += 1
-        region_flags.recompute_depth += self.recompute
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        region_flags.checkpoint_depth -= 1
-        region_flags.recompute_depth -= self.recompute
