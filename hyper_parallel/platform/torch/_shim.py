@@ -4,7 +4,21 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["storage_use_count", "in_backward", "detach_keeping_version"]
+from typing import Any, List
+
+__all__ = ["storage_key", "version", "storage_use_count", "in_backward", "detach_keeping_version", "pipeline_stages",
+           "drop_pipeline_losses"]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage ``t`` views (its ``StorageImpl``), stable while the storage lives;
+    ``data_ptr`` would confuse two storages that reuse one address, and views with offsets."""
+    return t.untyped_storage()._cdata
+
+
+def version(t: torch.Tensor) -> int:
+    """The version counter autograd uses to detect in-place changes of saved tensors."""
+    return t._version
 
 
 def storage_use_count(storage: "torch.UntypedStorage") -> int:
@@ -26,3 +40,25 @@ def detach_keeping_version(x: torch.Tensor) -> torch.Tensor:
     change of a cached op output is detected later."""
     with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
         return x.detach()
+
+
+def pipeline_stages(schedule: Any) -> List[Any]:
+    """The stages a ``torch.distributed.pipelining`` schedule runs on this process: single-stage
+    schedules keep one in ``_stage``, multi-stage ones a list in ``_stages`` (no public accessor)."""
+    stages = getattr(schedule, "_stages", None)
+    if stages is None:
+        stage = getattr(schedule, "_stage", None)
+        stages = [stage] if stage is not None else None
+    if not stages:
+        raise TypeError(
+            f"pipeline_swap expects a torch.distributed.pipelining schedule (ScheduleGPipe, "
+            f"Schedule1F1B, ...) built on its PipelineStage(s), got {type(schedule).__name__}.")
+    return list(stages)
+
+
+def drop_pipeline_losses(schedule: Any) -> None:
+    """Forget the per-microbatch losses an aborted step left in a pipelining schedule: PyTorch
+    appends them to ``_internal_losses`` and clears it only after a successful step."""
+    losses = getattr(schedule, "_internal_losses", None)
+    if isinstance(losses, list):
+        losses.clear()

@@ -18,8 +18,9 @@ what the adapter wraps (in place)       what it does
 These are public methods of ``torch.distributed.pipelining``; the wrapping is done like the rest of
 the library wraps modules: the object's class becomes a subclass whose methods call the original
 ones (``super()``), nothing else changes. What the adapter touches beyond public methods is
-isolated in :func:`_stages_of` (``schedule._stage`` / ``schedule._stages``: the stages a schedule
-runs; there is no public accessor) and :func:`_drop_stale_losses` (``schedule._internal_losses``:
+isolated in ``_shim.pipeline_stages`` (``schedule._stage`` / ``schedule._stages``: the stages a
+schedule runs; there is no public accessor) and ``_shim.drop_pipeline_losses``
+(``schedule._internal_losses``:
 PyTorch appends each microbatch's loss there and only clears it at the end of a successful step,
 so after an aborted step a retry would read the aborted step's losses).
 
@@ -43,36 +44,15 @@ import torch
 
 from hyper_parallel.core.activation_checkpoint.microbatch_schedule import MicrobatchSwapSchedule
 
+from ._shim import drop_pipeline_losses as _drop_stale_losses
+from ._shim import pipeline_stages as _stages_of
+
 __all__ = ["pipeline_swap", "swap_schedules", "abort_pipeline_step"]
 
 
 def _manager() -> Any:
     from hyper_parallel.core.activation_checkpoint.swap_manager import SwapManager
     return SwapManager()
-
-
-# ---------------------------------------------------------------------------------------------
-# The only places that read private attributes of torch.distributed.pipelining objects.
-# ---------------------------------------------------------------------------------------------
-def _stages_of(schedule: Any) -> List[Any]:
-    """The stages ``schedule`` runs on this process (single-stage schedules keep one in
-    ``_stage``, multi-stage ones a list in ``_stages``)."""
-    stages = getattr(schedule, "_stages", None)
-    if stages is None:
-        stage = getattr(schedule, "_stage", None)
-        stages = [stage] if stage is not None else None
-    if not stages:
-        raise TypeError(
-            f"pipeline_swap expects a torch.distributed.pipelining schedule (ScheduleGPipe, "
-            f"Schedule1F1B, ...) built on its PipelineStage(s), got {type(schedule).__name__}.")
-    return list(stages)
-
-
-def _drop_stale_losses(schedule: Any) -> None:
-    """Forget the per-microbatch losses an aborted step left in the schedule."""
-    losses = getattr(schedule, "_internal_losses", None)
-    if isinstance(losses, list):
-        losses.clear()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -161,7 +161,7 @@ class SelectiveRegion:
         if not self.allow_mutation:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
-                    self._kept_by_storage[t.untyped_storage()._cdata].append((func, index))
+                    self._kept_by_storage[_shim.storage_key(t)].append((func, index))
 
     def forget_mutated(self, func: Any, args: Tuple, kwargs: Dict) -> None:
         """An op that writes to its arguments ran in forward. A kept output it overwrote no longer
@@ -171,7 +171,7 @@ class SelectiveRegion:
         if not self._kept_by_storage:
             return
         for t in _written_tensors(func, args, kwargs):
-            for kept_func, index in self._kept_by_storage.pop(t.untyped_storage()._cdata, ()):
+            for kept_func, index in self._kept_by_storage.pop(_shim.storage_key(t), ()):
                 self.entries[kept_func][index] = _RECOMPUTE
                 self.demoted.add((kept_func, index))
 

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from . import _shim
+
 from hyper_parallel.core.activation_checkpoint.region_state import RegionMarker, region_flags
 
 __all__ = ["Saved", "region_flags", "RegionMarker"]
@@ -18,13 +20,13 @@ class Saved:
 
     def __init__(self, val: torch.Tensor, check: bool = True) -> None:
         self.val = val
-        self.version = val._version
+        self.version = _shim.version(val)
         self.check = check
 
     def get_val(self) -> torch.Tensor:
-        if self.check and self.val._version != self.version:
+        if self.check and _shim.version(self.val) != self.version:
             raise RuntimeError(
                 "a tensor saved for backward was modified by an in-place operation after it was saved "
-                f"(version {self.version} when saved, {self.val._version} now); gradients would be "
+                f"(version {self.version} when saved, {_shim.version(self.val)} now); gradients would be "
                 "wrong. Use the out-of-place form of the op, or clone the tensor before it is saved.")
         return self.val

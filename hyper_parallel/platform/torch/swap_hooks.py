@@ -6,6 +6,8 @@ from typing import Any, Callable, Optional, Set
 
 import torch
 
+from . import _shim
+
 from hyper_parallel.core.activation_checkpoint.policy import Decision, normalize_swap_policy
 from hyper_parallel.core.activation_checkpoint.swap_tensor import SwapView
 
@@ -21,9 +23,9 @@ def parameter_storages(owner: Any) -> Set[int]:
         return set()
     ids = set()
     for t in owner.parameters():
-        ids.add(t.untyped_storage()._cdata)
+        ids.add(_shim.storage_key(t))
     for t in owner.buffers():
-        ids.add(t.untyped_storage()._cdata)
+        ids.add(_shim.storage_key(t))
     return ids
 
 
@@ -38,7 +40,7 @@ def _not_an_activation(t: torch.Tensor, param_ids: Set[int]) -> Optional[str]:
     somebody else still holds their storage (``kept_bytes['shared']``).
     """
     base = t._base if t._base is not None else t
-    if t.untyped_storage()._cdata in param_ids:
+    if _shim.storage_key(t) in param_ids:
         return "parameter" if base.requires_grad else "buffer"
     if base.is_leaf and base.requires_grad:
         return "parameter"

@@ -53,7 +53,7 @@ class TorchTensorOps:
 
     # ----------------------------------------------------------- identity and layout
     def storage_id(self, t: torch.Tensor) -> int:
-        return t.untyped_storage()._cdata
+        return _shim.storage_key(t)
 
     def storage_nbytes(self, t: torch.Tensor) -> int:
         return t.untyped_storage().nbytes()
@@ -62,7 +62,7 @@ class TorchTensorOps:
         return ViewMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device)
 
     def version(self, t: torch.Tensor) -> int:
-        return t._version
+        return _shim.version(t)
 
     def storage_other_holders(self, aliases: List[torch.Tensor]) -> int:
         storage = aliases[0].untyped_storage()
