@@ -16,9 +16,14 @@ N_LAYERS = 4
 
 FORWARD_CALLS = [
     ("launch_offload", "layer_0"),
-    ("launch_offload", "layer_1"), ("wait_offload", "layer_0"),
-    ("launch_offload", "layer_2"), ("wait_offload", "layer_1"),
-    ("wait_offload", "layer_2"),  # the last layer: no offload of its own, waits its predecessor
+    # layer 1 ends: own offload, wait the predecessor's, then offload again what the first launch
+    # skipped because the caller still held it (layer 0's input)
+    ("launch_offload", "layer_1"), ("wait_offload", "layer_0"), ("launch_offload", "layer_0"),
+    # layer 2 ends: the same, and the retry launched one layer earlier is waited
+    ("launch_offload", "layer_2"), ("wait_offload", "layer_1"), ("launch_offload", "layer_1"),
+    ("wait_offload", "layer_0"),
+    # the last layer: no offload of its own; waits its predecessor and the retry launched before
+    ("wait_offload", "layer_2"), ("wait_offload", "layer_1"),
 ]
 BACKWARD_CALLS = [
     ("launch_load", "layer_2"),  # last layer: prefetch predecessor; its own group was never offloaded
@@ -57,7 +62,8 @@ def _baseline_grads(x, **kw):
 
 @pytest.mark.parametrize("kind", ["swap_wrapper", "checkpoint_must_swap"])
 def test_call_order(kind):
-    """Item 6: forward launches layer i's offload, then waits layer i-1's; backward launches the
+    """Item 6: forward launches layer i's offload, then waits layer i-1's (and retries what layer
+    i-1's launch skipped because the caller still held it); backward launches the
     predecessor's load, then waits its own. Checkpointed layers (whose recompute re-runs their
     forward) give exactly the same calls: the hooks do not fire during recompute."""
     net = _net(kind, dropout=0.1)
@@ -228,3 +234,37 @@ def test_failing_earlier_pre_hook_keeps_the_callers_group():
         with pytest.raises(RuntimeError, match="user pre-hook failed"):
             a(torch.randn(2, 4, requires_grad=True))
         assert SwapManager().get_current_group_name() == "outer"
+
+
+def test_swap_inputs_offloads_layer_inputs_once_the_caller_moved_on():
+    """The chain retries storages its first launch skipped because the caller still held them:
+    with whole-layer recompute + swap_inputs, every layer input but the last two's is offloaded
+    (the last layer is never offloaded; its predecessor's input is still bound when it ends)."""
+    from hyper_parallel.bench.model import GPT, GPTConfig, make_batch
+    from hyper_parallel.tools.memory import MemoryMeter
+
+    cfg = GPTConfig(vocab=64, dim=32, heads=2, layers=6, seq=32, dropout=0.1)
+    tokens, targets = make_batch(cfg, 2, seed=0)
+
+    def run(swap_inputs: bool):
+        SwapManager().reset()
+        model = GPT(cfg, seed=0)
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer, swap_inputs=swap_inputs)
+        chain(model.layers)
+        torch.manual_seed(0)
+        with MemoryMeter("cpu", track=[model]) as meter:
+            logits = model(tokens)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            after_forward = meter.current_bytes - meter.baseline_bytes
+            loss.backward()
+        return grads(model), after_forward, SwapManager().stats()
+
+    plain_grads, plain_bytes, plain_stats = run(False)
+    swap_grads, swap_bytes, stats = run(True)
+    assert plain_stats["offloaded_bytes"] == 0
+    layer_input = 2 * cfg.seq * cfg.dim * 4
+    assert stats["offloaded_bytes"] == (cfg.layers - 2) * layer_input
+    assert stats["loaded_bytes"] == stats["offloaded_bytes"]
+    assert plain_bytes - swap_bytes == (cfg.layers - 2) * layer_input  # live device bytes after forward
+    assert_tensors_equal(swap_grads, plain_grads, "swap_inputs")

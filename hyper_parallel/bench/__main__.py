@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch x heads x seq x seq attention matrix in --dtype)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON to PATH")
     p.add_argument("--plot", metavar="PATH", default=None, help="save a bar chart to PATH (needs matplotlib)")
+    p.add_argument("--trace", metavar="DIR", default=None,
+                   help="also write a Chrome trace (torch.profiler) of one extra training step per mode "
+                        "to DIR/<mode>.json")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for each worker (default: torch's own choice)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per mode (default 1800)")
@@ -188,6 +191,11 @@ def run_worker(args) -> int:
     peak = int(meters[0].peak_bytes) if meters else 0
     stats = _stats_to_plain(swap_manager.stats()) if swap_manager is not None else {}
     offloaded = int(stats.get("offloaded_bytes", 0) or 0) if isinstance(stats, dict) else 0
+    if args.trace:  # one extra step, after the measured ones: results and stats above are unaffected
+        from hyper_parallel.bench.trace import write_trace
+
+        write_trace(lambda: train_steps(model, 1, args.batch, args.lr, args.seed + args.steps, device),
+                    os.path.join(args.trace, f"{mode}.json"), device=device)
     result = {
         "mode": mode,
         "peak_bytes": peak,
@@ -265,6 +273,8 @@ def _worker_argv(args, mode: str) -> List[str]:
         argv += ["--threads", str(args.threads)]
     if args.swap_wrapper:
         argv.append("--swap-wrapper")
+    if args.trace:
+        argv += ["--trace", os.path.abspath(args.trace)]
     return argv
 
 
@@ -353,6 +363,24 @@ def memory_checks(results: List[Dict[str, Any]], swap_wrapper: bool) -> List[Dic
             checks.append({"check": "swap ~ recompute", "ok": saved_recompute > 0 and ratio >= 2.0 / 3.0,
                            "ratio": ratio})
     return checks
+
+
+def format_swap_stats(results: List[Dict[str, Any]]) -> List[str]:
+    """One line of ``SwapManager().stats()`` per mode that swapped anything (whole run)."""
+    mib = 1024.0 * 1024.0
+    lines = []
+    for r in results:
+        s = r.get("stats") or {}
+        if "error" in r or not (s.get("offloaded_bytes") or s.get("kept_bytes")):
+            continue
+        kept = ", ".join(f"{k} {v / mib:.1f}" for k, v in sorted((s.get("kept_bytes") or {}).items())) or "none"
+        pool = s.get("host_pool") or {}
+        lines.append(
+            f"swap stats {r['mode']}: offloaded {s.get('offloaded_bytes', 0) / mib:.1f} MiB, loaded "
+            f"{s.get('loaded_bytes', 0) / mib:.1f} MiB, kept on device (MiB) {kept}; waits "
+            f"{1e3 * (s.get('wait_offload_s', 0) + s.get('wait_load_s', 0)):.1f} ms; host pool "
+            f"{pool.get('reserved_bytes', 0) / mib:.1f} MiB in {pool.get('allocations', 0)} buffers")
+    return lines
 
 
 def _fmt_losses(losses: Sequence[float]) -> str:
@@ -467,6 +495,8 @@ def run_comparison(args, parser) -> int:
     if args.swap_wrapper:
         print(f"swap_with_policy threshold: {config['swap_threshold_bytes']} bytes")
     print(format_table(results))
+    for line in format_swap_stats(results):
+        print(line)
     print("loss comparison: %s" % ("bitwise (cpu)" if exact else f"|diff| <= {LOSS_ATOL:g}"))
     for c in checks:
         extra = " (swap saves %.0f%% of what recompute saves)" % (100 * c["ratio"]) if "ratio" in c else ""

@@ -2,7 +2,9 @@
 
 Forward: when a layer that has a successor finishes, its group's offload is launched; then (for
 every layer, the last one included) the predecessor's offload is waited, which frees the
-predecessor's device memory. The copy of layer ``i`` therefore overlaps the compute of layer
+predecessor's device memory. Storages that the first launch skipped because somebody else still
+held them (typically the layer's input, still bound to the caller's loop variable) are launched
+again at that point (unless this is the last layer) and waited one layer later. The copy of layer ``i`` therefore overlaps the compute of layer
 ``i + 1``, and by the time the last layer is done only it and its predecessor's in-flight copy
 remain (waiting in the last layer too frees one more layer before the loss and the head run). Backward: when a layer's backward starts,
 the predecessor's load is launched (overlapping this layer's backward) and this layer's own load,
@@ -107,13 +109,26 @@ class LayerChain:
         self._m.set_current_group_name(link.saved_group_names.pop())
         if failed:
             return False
-        if link.next is not None and link.next() is not None:
+        has_next = link.next is not None and link.next() is not None
+        if has_next:
             self._m.launch_offload(link.name)
         prev = link.prev() if link.prev is not None else None
         if prev is not None:
-            prev_group = self._m._group(self._links[prev].name)
+            prev_link = self._links[prev]
+            prev_group = self._m._group(prev_link.name)
             if prev_group.offload_pending:
                 self._m.wait_offload(prev_group.name)
+            # When the predecessor's offload was launched, the caller still held its input (the
+            # `h` of `for layer in layers: h = layer(h)`), so that storage was skipped. The caller
+            # has moved on by now: offload it too; it is waited when the next layer ends (so not
+            # after the last layer, where nothing would wait for it before backward).
+            if has_next and prev_group.has_retryable():
+                self._m.launch_offload(prev_group.name)
+            before = prev_link.prev() if prev_link.prev is not None else None
+            if before is not None:
+                before_group = self._m._group(self._links[before].name)
+                if before_group.offload_pending:
+                    self._m.wait_offload(before_group.name)
         return True
 
     def backward_start(self, layer: Any) -> None:

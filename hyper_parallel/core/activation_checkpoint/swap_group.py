@@ -29,6 +29,8 @@ class GroupStats:
 
     def keep(self, reason: str, nbytes: int) -> None:
         self.kept_bytes[reason] += nbytes
+        if nbytes < 0 and not self.kept_bytes[reason]:  # all of it was offloaded after all
+            del self.kept_bytes[reason]
 
     def as_dict(self) -> Dict[str, Any]:
         return {
@@ -89,6 +91,10 @@ class SwapGroup:
     def has_state(self, state: TensorState) -> bool:
         return bool(self._tensors(state))
 
+    def has_retryable(self) -> bool:
+        """Whether an earlier launch skipped tensors that were held elsewhere at the time."""
+        return any(t.retryable for t in self._tensors(TensorState.DEVICE))
+
     def resident_swap_bytes(self) -> int:
         """Bytes of this group's swap candidates that occupy device memory now."""
         return sum(t.nbytes for s in list(self._storages) for t in s.swap_tensors() if t.resident_candidate)
@@ -110,10 +116,13 @@ class SwapGroup:
         started = []
         with p.stream_context(copy_stream):
             for t in todo:
+                skipped_before = t.shared_skips
                 reason = t.async_offload(copy_stream)
                 if reason is None:
                     started.append(t)
-                else:
+                    if skipped_before:  # it was counted as kept 'shared' by an earlier launch
+                        self.stats.keep("shared", -t.nbytes)
+                elif reason != "shared" or not skipped_before:  # count each storage once
                     self.stats.keep(reason, t.nbytes)
         event = p.record_event(copy_stream)
         for t in started:

@@ -50,7 +50,8 @@ class SwapTensor:
         self._host: Any = None     # host buffer holding the bytes while offloaded
         self._dev: Any = None      # byte tensor of the reloaded storage
         self._host_guard: Any = None  # offload event: the host buffer is written until it fires
-        self.kept_reason: Optional[str] = None
+        self.kept_reason: Optional[str] = None  # set once the storage stays on the device for good
+        self.shared_skips = 0  # launches that skipped it because somebody else held it
 
     # ----------------------------------------------------------------- bookkeeping
     @property
@@ -61,6 +62,14 @@ class SwapTensor:
     def holds_aliases(self) -> bool:
         """True while the original (never moved) saved tensors are still held."""
         return self._aliases is not None
+
+    @property
+    def retryable(self) -> bool:
+        """Skipped by exactly one earlier launch because it was held elsewhere: worth one more
+        try (a layer input is free once the caller moved on); a storage that was still held at
+        the second try (a mask every layer uses) is not retried again by the layer chain."""
+        return (self._state is TensorState.DEVICE and self.kept_reason is None
+                and self._aliases is not None and self.shared_skips == 1)
 
     @property
     def resident_candidate(self) -> bool:
@@ -131,9 +140,12 @@ class SwapTensor:
         if self._mutation():
             return self._keep("modified_in_place")
         if self._p.storage_other_holders(self._aliases) > 0:
-            # Somebody else (the next layer's input, a shared mask, a parameter view...) still
-            # holds this storage: copying it would free nothing, so skip the bandwidth.
-            return self._keep("shared")
+            # Somebody else (the caller still holding a layer's input, a shared mask...) holds
+            # this storage: copying it now would free nothing, so skip the bandwidth. Unlike the
+            # other reasons this one can pass (the caller moves on to the next layer): the next
+            # launch of the group tries again.
+            self.shared_skips += 1
+            return "shared"
         host = self._pool.acquire(self.nbytes, copy_stream)
         if host is None:
             return self._keep("host_limit")

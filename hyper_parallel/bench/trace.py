@@ -1,0 +1,212 @@
+"""Profiler traces of a training step, and what they say about the copy engine.
+
+* :func:`write_trace` runs one step under ``torch.profiler`` and writes a Chrome trace (open it in
+  ``chrome://tracing`` or https://ui.perfetto.dev). The swap engine's offload/load launches and
+  waits show up there as named ranges: ``hyper_parallel.launch_offload[<group>]``,
+  ``hyper_parallel.wait_offload[<group>]``, ``hyper_parallel.launch_load[<group>]`` and
+  ``hyper_parallel.wait_load[<group>]``; on an accelerator the copies themselves appear as
+  ``Memcpy DtoH`` / ``Memcpy HtoD`` on the copy stream.
+* :func:`range_names` lists the ``hyper_parallel.*`` ranges of a trace (file, dict or profiler).
+* :func:`analyze_copies` reads the device-side events of a trace: bytes and busy time of
+  host<->device copies per direction (hence the achieved bandwidth) and the *overlap fraction*,
+  the share of copy time during which a compute kernel was running, i.e. hidden under compute.
+
+Example::
+
+    >>> from hyper_parallel.bench.trace import write_trace, range_names  # doctest: +SKIP
+    >>> path = write_trace(lambda: model(tokens, targets).backward(), "traces/swap.json")
+    >>> sorted(range_names(path))[:2]
+    ['hyper_parallel.launch_load[layer_0]', 'hyper_parallel.launch_offload[layer_0]']
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+import os
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+__all__ = ["RANGE_PREFIX", "profiler_activities", "write_trace", "range_names", "trace_events",
+           "analyze_copies"]
+
+#: Every named range the swap engine emits starts with this.
+RANGE_PREFIX = "hyper_parallel."
+
+# Chrome-trace categories of device activity, as torch.profiler (Kineto) writes them.
+_KERNEL_CATS = ("kernel",)
+_MEMCPY_CATS = ("gpu_memcpy",)
+
+
+def _accelerator() -> Optional[torch.device]:
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        return acc.current_accelerator()
+    return None
+
+
+def profiler_activities(device: Any = None) -> List[Any]:
+    """``[CPU]`` plus the profiler activity of ``device`` (default: the current accelerator) when
+    this torch build can profile it (CUDA, XPU, ...)."""
+    from torch.profiler import ProfilerActivity
+
+    acts = [ProfilerActivity.CPU]
+    dev = torch.device(device) if device is not None else _accelerator()
+    if dev is None or dev.type == "cpu":
+        return acts
+    name = {"cuda": "CUDA", "xpu": "XPU", "mtia": "MTIA", "hpu": "HPU"}.get(dev.type, "PrivateUse1")
+    act = getattr(ProfilerActivity, name, None)
+    if act is not None and act in torch.profiler.supported_activities():
+        acts.append(act)
+    return acts
+
+
+def _synchronize(device: Optional[torch.device]) -> None:
+    if device is not None and device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def write_trace(model_step_fn: Callable[[], Any], path: Union[str, os.PathLike], *,
+                warmup: int = 0, device: Any = None, activities: Optional[Sequence[Any]] = None,
+                record_shapes: bool = False) -> str:
+    """Run ``model_step_fn()`` once under ``torch.profiler`` and write a Chrome trace to ``path``.
+
+    Args:
+        model_step_fn: one training step (forward, backward, optionally the optimizer step).
+        path: the ``.json`` file to write (``.json.gz``: gzipped); its folder is created.
+        warmup: unprofiled calls of ``model_step_fn`` first (the first step of a swap mode
+            allocates its pooled host buffers; leave it out of the picture with ``warmup=1``).
+        device: the device the step runs on (default: the current accelerator, else CPU);
+            its activity is profiled too when the build supports it.
+        activities: override the profiler activities.
+        record_shapes: record input shapes of every op (bigger traces).
+
+    The step is wrapped in a ``hyper_parallel.step`` range and the device is synchronized before
+    the profiler stops, so the trace holds the whole step. Returns ``str(path)``.
+    """
+    dev = torch.device(device) if device is not None else _accelerator()
+    for _ in range(int(warmup)):
+        model_step_fn()
+    _synchronize(dev)
+    acts = list(activities) if activities is not None else profiler_activities(dev)
+    with torch.profiler.profile(activities=acts, record_shapes=record_shapes) as prof:
+        with torch.profiler.record_function(RANGE_PREFIX + "step"):
+            model_step_fn()
+        _synchronize(dev)
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    prof.export_chrome_trace(path)
+    return path
+
+
+def trace_events(trace: Any) -> List[Dict[str, Any]]:
+    """The event dicts of a Chrome trace given as a path (``.json`` or ``.json.gz``), a loaded dict
+    or a list of events."""
+    if isinstance(trace, (str, os.PathLike)):
+        opener = gzip.open if os.fspath(trace).endswith(".gz") else open
+        with opener(trace, "rt") as f:
+            trace = json.load(f)
+    if isinstance(trace, dict):
+        trace = trace.get("traceEvents", [])
+    return [e for e in trace if isinstance(e, dict)]
+
+
+def range_names(trace: Any, prefix: str = RANGE_PREFIX) -> List[str]:
+    """Distinct names starting with ``prefix`` in a trace: a Chrome-trace path / dict / event
+    list, or a finished ``torch.profiler.profile`` object."""
+    if hasattr(trace, "events") and callable(trace.events):
+        names: Iterable[str] = (e.name for e in trace.events())
+    else:
+        names = (str(e.get("name", "")) for e in trace_events(trace))
+    return sorted({n for n in names if n.startswith(prefix)})
+
+
+# ------------------------------------------------------------------ copy engine figures
+
+def _direction(event: Dict[str, Any]) -> Optional[str]:
+    name = str(event.get("name", ""))
+    if "DtoH" in name or "Device -> Pinned" in name or "Device -> Pageable" in name:
+        return "d2h"
+    if "HtoD" in name or "Pinned -> Device" in name or "Pageable -> Device" in name:
+        return "h2d"
+    return None
+
+
+def _merge(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    out: List[Tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def _covered(start: float, end: float, merged: List[Tuple[float, float]], starts: List[float]) -> float:
+    """Length of ``[start, end)`` covered by the disjoint sorted ``merged`` intervals."""
+    total = 0.0
+    i = max(0, bisect.bisect_right(starts, start) - 1)
+    while i < len(merged) and merged[i][0] < end:
+        s, e = merged[i]
+        lo, hi = max(s, start), min(e, end)
+        if hi > lo:
+            total += hi - lo
+        i += 1
+    return total
+
+
+def analyze_copies(trace: Any, *, pinned_only: bool = True, min_bytes: int = 0) -> Dict[str, Any]:
+    """Host<->device copy figures from the device events of a Chrome trace.
+
+    Returns, per direction (``"d2h"``, ``"h2d"``): ``count``, ``bytes``, ``busy_s`` (the union of
+    the copies' intervals), ``gbps`` (bytes / busy time, 1e9 bytes per second; ``None`` when the
+    trace has no byte counts or no time), ``hidden_s`` (copy time during which some compute kernel
+    ran) and ``overlap_fraction`` (``hidden_s / busy_s``); plus the same totals over both directions
+    and ``kernel_busy_s``. Only copies from/to pinned memory are counted when ``pinned_only`` and
+    the trace names the memory kind (the swap engine and ``save_on_cpu(pin_memory=True)`` use pinned
+    buffers; ``loss.item()`` copies to pageable memory), and only copies of at least ``min_bytes``.
+    """
+    events = [e for e in trace_events(trace) if e.get("ph", "X") == "X" and "dur" in e]
+    kernels = _merge([(float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+                      for e in events if e.get("cat") in _KERNEL_CATS])
+    starts = [s for s, _ in kernels]
+    copies: Dict[str, List[Dict[str, Any]]] = {"d2h": [], "h2d": []}
+    names_pinned = any("Pinned" in str(e.get("name", "")) for e in events if e.get("cat") in _MEMCPY_CATS)
+    for e in events:
+        if e.get("cat") not in _MEMCPY_CATS:
+            continue
+        direction = _direction(e)
+        if direction is None:
+            continue
+        if pinned_only and names_pinned and "Pinned" not in str(e.get("name", "")):
+            continue
+        nbytes = (e.get("args") or {}).get("bytes")
+        if nbytes is not None and int(nbytes) < min_bytes:
+            continue
+        copies[direction].append(e)
+
+    def summary(evs: List[Dict[str, Any]]) -> Dict[str, Any]:
+        spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]
+        merged = _merge(spans)
+        busy_us = sum(e - s for s, e in merged)
+        hidden_us = sum(_covered(s, e, kernels, starts) for s, e in merged)
+        byte_counts = [(e.get("args") or {}).get("bytes") for e in evs]
+        known = all(b is not None for b in byte_counts)
+        nbytes = int(sum(int(b) for b in byte_counts if b is not None))
+        return {
+            "count": len(evs),
+            "bytes": nbytes if known else None,
+            "busy_s": busy_us * 1e-6,
+            "gbps": (nbytes / (busy_us * 1e-6) / 1e9) if known and busy_us > 0 else None,
+            "hidden_s": hidden_us * 1e-6,
+            "overlap_fraction": (hidden_us / busy_us) if busy_us > 0 else None,
+        }
+
+    out: Dict[str, Any] = {d: summary(evs) for d, evs in copies.items()}
+    out["total"] = summary(copies["d2h"] + copies["h2d"])
+    out["kernel_busy_s"] = sum(e - s for s, e in kernels) * 1e-6
+    return out
