@@ -332,3 +332,18 @@ def test_hundred_steps_no_growth():
     s = SwapManager().stats()
     assert s["offload_launches"] == 100 * _launches_per_forward(net)
     assert s["loaded_bytes"] == s["offloaded_bytes"] > 0
+
+
+def test_groups_of_skipped_steps_with_a_launch_in_flight_disappear():
+    """A step whose offload was launched but never waited, then abandoned (graph dropped), leaves
+    no group behind: per-step names must not accumulate."""
+    mgr = SwapManager()
+    block = swap_wrapper(nn.Sequential(nn.Linear(16, 16), nn.GELU()))
+    for step in range(3):
+        with group(f"step{step}"):
+            loss = block(torch.randn(4, 16)).sum()
+        mgr.launch_offload(f"step{step}")
+        del loss
+    gc.collect()
+    assert mgr.group_names() == []
+    assert mgr.stats()["host_pool"]["in_use_bytes"] == 0

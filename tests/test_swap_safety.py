@@ -389,3 +389,33 @@ def test_conj_and_neg_views_keep_their_bit(bit):
     out.backward()
     assert torch.equal(z.grad, expected[0])
     assert torch.equal(w.grad, expected[1])
+
+
+def test_selective_region_backward_retried_after_loading():
+    """A backward that fails because a swapped op output is still on the host must not lose that
+    output: after launch_load/wait_load the same backward succeeds, with exact gradients."""
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def fn(a):
+        return (a @ w).relu().sum()
+
+    fn(x).backward()
+    expected = w.grad.clone()
+    w.grad = None
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SWAP if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    mgr = SwapManager()
+    with group("g"):
+        loss = checkpoint_wrapper(fn, policy_fn=policy)(x)
+    mgr.launch_offload("g")
+    mgr.wait_offload("g")
+    with pytest.raises(RuntimeError, match="state 'host'"):
+        loss.backward(retain_graph=True)
+    w.grad = None
+    mgr.launch_load("g")
+    mgr.wait_load("g")
+    loss.backward()
+    assert torch.equal(w.grad, expected)

@@ -99,6 +99,13 @@ class SwapGroup:
         """Bytes of this group's swap candidates that occupy device memory now."""
         return sum(t.nbytes for s in list(self._storages) for t in s.swap_tensors() if t.resident_candidate)
 
+    def forget_in_flight(self) -> None:
+        """Every storage of the group died: nothing can wait for its copies any more (their host
+        buffers went back to the pool guarded by their events), so drop the pending state."""
+        self._offload_events.clear()
+        self._load_events.clear()
+        self.offload_pending = self.load_pending = False
+
     @property
     def idle(self) -> bool:
         return not (self.offload_pending or self.load_pending)
@@ -166,7 +173,7 @@ class SwapGroup:
         p.stream_wait(copy_stream, p.record_event(p.current_stream()))
         with p.stream_context(copy_stream):
             for t in started:
-                t.copy_in()
+                t.copy_in(copy_stream)
         event = p.record_event(copy_stream)
         for t in started:
             t.set_copy_event(event)

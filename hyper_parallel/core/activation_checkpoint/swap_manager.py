@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import Any, Dict, Optional
 
 from ...platform import get_platform
@@ -14,6 +15,7 @@ from .swap_group import GroupStats, SwapGroup
 __all__ = ["SwapManager", "DEFAULT_GROUP"]
 
 DEFAULT_GROUP = "default"
+_RETIRED_NAMES = 1024  # how many names of forgotten groups are remembered
 
 
 class SwapManager:
@@ -61,6 +63,7 @@ class SwapManager:
     def _init(self) -> None:
         self.platform = get_platform()
         self._groups: Dict[str, SwapGroup] = {}
+        self._retired: "OrderedDict[str, None]" = OrderedDict()
         self._stats: Dict[str, GroupStats] = {}
         self._current_group_name: Optional[str] = None
         self._copy_stream: Any = None
@@ -75,6 +78,7 @@ class SwapManager:
                 known = ", ".join(repr(n) for n in sorted(self._groups)) or "none"
                 raise KeyError(f"unknown swap group {name!r}; known groups: {known}. Groups are created "
                                "by set_current_group_name, add_storage or set_forward_prefetch_layer.")
+            self._retired.pop(name, None)
             stats = self._stats.setdefault(name, GroupStats())
             group = self._groups[name] = SwapGroup(name, self.platform, stats, persistent)
         elif persistent:
@@ -98,10 +102,27 @@ class SwapManager:
         self.platform.on_storage_death(storage, self._forget_if_empty, group_name)
 
     def _forget_if_empty(self, name: str) -> None:
+        """Called when a storage of group ``name`` dies (and after waits). A group whose storages
+        all died has nothing left to move, even if a launch was never waited (a skipped step):
+        its pending state goes, and unless the layer chain owns it or it is current, the group
+        goes too, so per-step or per-micro-batch names never accumulate."""
         group = self._groups.get(name)
-        if (group is not None and not group.persistent and len(group) == 0 and group.idle
-                and name != self._current_group_name):
+        if group is None or len(group) != 0:
+            return
+        group.forget_in_flight()
+        if not group.persistent and name != self._current_group_name:
             del self._groups[name]
+            # Remember the name for a while: a wait or launch on it after its graph died (the
+            # graph of a skipped step) has nothing to do, which is not the user's mistake.
+            self._retired[name] = None
+            while len(self._retired) > _RETIRED_NAMES:
+                self._retired.popitem(last=False)
+
+    def _live_group(self, name: str) -> Optional[SwapGroup]:
+        """The group ``name``; ``None`` if it was forgotten because all its storages died."""
+        if name not in self._groups and name in self._retired:
+            return None
+        return self._group(name)
 
     def set_current_group_name(self, group_name: Optional[str]) -> None:
         """Regions that run from now on add their storages to ``group_name`` (``None``: the
@@ -143,26 +164,34 @@ class SwapManager:
             self._copy_stream = self.platform.new_copy_stream()
         return self._copy_stream
 
+    # A group forgotten because every storage of it died (see ``_forget_if_empty``) answers
+    # these four calls with nothing to do.
     def launch_offload(self, group_name: str, copy_stream: Any = None) -> None:
         """Start copying group ``group_name``'s tensors to host memory on ``copy_stream`` (default:
         the manager's copy stream). Returns at once on accelerators."""
-        self._group(group_name).launch_offload(self._stream(copy_stream))
+        group = self._live_group(group_name)
+        if group is not None:
+            group.launch_offload(self._stream(copy_stream))
 
     def wait_offload(self, group_name: str) -> None:
         """Make compute wait for the group's offload and release its device memory."""
-        group = self._group(group_name)
-        group.wait_offload()
-        self._forget_if_empty(group_name)
+        group = self._live_group(group_name)
+        if group is not None:
+            group.wait_offload()
+            self._forget_if_empty(group_name)
 
     def launch_load(self, group_name: str, copy_stream: Any = None) -> None:
         """Start copying group ``group_name``'s offloaded tensors back to the device."""
-        self._group(group_name).launch_load(self._stream(copy_stream))
+        group = self._live_group(group_name)
+        if group is not None:
+            group.launch_load(self._stream(copy_stream))
 
     def wait_load(self, group_name: str) -> None:
         """Make compute wait for the group's load; its tensors are usable afterwards."""
-        group = self._group(group_name)
-        group.wait_load()
-        self._forget_if_empty(group_name)
+        group = self._live_group(group_name)
+        if group is not None:
+            group.wait_load()
+            self._forget_if_empty(group_name)
 
     # ------------------------------------------------------------------ layer chain
     def set_forward_prefetch_layer(self, first_layer: Any, second_layer: Any) -> None:
@@ -226,6 +255,7 @@ class SwapManager:
             group.settle()
         self._chain.clear()
         self._groups.clear()
+        self._retired.clear()
         self._stats.clear()
         self._current_group_name = None
         self._pool = HostBufferPool(self.platform)  # the host limit goes back to "none" too

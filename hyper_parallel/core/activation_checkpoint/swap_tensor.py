@@ -193,9 +193,12 @@ class SwapTensor:
     def _host_device(self) -> Any:
         return self._metas[0].device
 
-    def copy_in(self) -> None:
-        """Issue the H2D copy (called inside the copy-stream context)."""
+    def copy_in(self, copy_stream: Any) -> None:
+        """Issue the H2D copy (called inside the copy-stream context). The destination is also
+        marked as used by the copy stream: if the region dies before ``wait_load`` (an abandoned
+        step), the allocator must not hand the block to compute while the copy still writes it."""
         self._p.copy_bytes(self._dev, self._host)
+        self._p.mark_used_by(self._dev, copy_stream)
 
     def wait_load(self) -> None:
         if self._state is not TensorState.H2D:

@@ -153,6 +153,13 @@ class MindSporeTensorOps:
         with _shim.internal():
             return mint.empty(nbytes, dtype=ms.uint8, device="CPU", pin_memory=self.accelerator is not None)
 
+    def mark_used_by(self, t: Tensor, stream: Any) -> None:
+        """Tell the allocator that ``stream`` uses ``t`` where MindSpore offers it (no-op on CPU,
+        where there are no streams)."""
+        record = getattr(t, "record_stream", None)
+        if stream is not None and record is not None:
+            record(stream)
+
     def copy_bytes(self, dst: Tensor, src: Tensor) -> None:
         with _shim.internal():
             dst.copy_(src, non_blocking=True)

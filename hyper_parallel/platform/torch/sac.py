@@ -276,8 +276,9 @@ class _CachedMode(_RegionMode):
                 "same choice in both (ctx.is_recompute tells them apart for logging, not for deciding).")
         if entry is _RECOMPUTE:
             return func(*args, **kwargs)
+        value = tree_map(_take, entry)  # may raise (e.g. not loaded): the entry then stays usable
         entries[idx] = _CONSUMED  # release device memory as soon as backward has used it
-        return tree_map(_take, entry)
+        return value
 
 
 def create_selective_checkpoint_contexts(policy_fn_or_list: Union[Callable[..., Any], List[Any]],

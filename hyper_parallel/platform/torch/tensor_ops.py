@@ -90,6 +90,11 @@ class TorchTensorOps:
         _mark_host(buf)
         return buf
 
+    def mark_used_by(self, t: torch.Tensor, stream: Any) -> None:
+        """Tell the caching allocator that ``stream`` uses ``t`` (no-op on CPU)."""
+        if stream is not None and t.device.type != "cpu":
+            t.record_stream(stream)
+
     def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.no_grad():
             dst.copy_(src, non_blocking=True)
