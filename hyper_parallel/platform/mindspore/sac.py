@@ -26,14 +26,14 @@ Ops that are never left to the policy:
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Any, Callable, DefaultDict, Dict, FrozenSet, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple, Union
 
 from mindspore import Tensor
 from mindspore.utils import MsDispatchMode
 
 from hyper_parallel.core.activation_checkpoint.policy import (
     CheckpointPolicy, Decision, SelectiveCheckpointContext, normalize_policy)
+from hyper_parallel.core.activation_checkpoint.selective import RECOMPUTE, OpLog
 from hyper_parallel.core.activation_checkpoint.swap_tensor import SwapView
 
 from . import _shim
@@ -146,8 +146,6 @@ def _tree_map(fn: Callable[[Any], Any], x: Any) -> Any:
     return fn(x)
 
 
-_RECOMPUTE = object()
-_CONSUMED = object()
 
 
 def _ops() -> Any:
@@ -165,9 +163,7 @@ class SelectiveRegion:
                  storage_factory: Optional[Callable[[], Any]] = None) -> None:
         self.policy_fn = policy_fn
         self.allow_mutation = allow_cache_entry_mutation
-        self.entries: DefaultDict[str, List[Any]] = defaultdict(list)
-        self.decisions: DefaultDict[str, List[Decision]] = defaultdict(list)
-        self.forced: DefaultDict[str, List[bool]] = defaultdict(list)
+        self.log = OpLog()
         self._storage_factory = storage_factory
         self._storage: Any = None
 
@@ -189,14 +185,12 @@ class SelectiveRegion:
         return normalize_policy(answer, func.name).decision
 
     def keep(self, name: str, decision: Decision, out: Any, forced: bool = False) -> None:
-        self.decisions[name].append(decision)
-        self.forced[name].append(forced)
+        """Record one forward call; ``forced``: kept without asking the policy (random ops)."""
         if decision is Decision.RECOMPUTE:
-            self.entries[name].append(_RECOMPUTE)
-        elif decision is Decision.SAVE:
-            self.entries[name].append(_tree_map(self._save, out))
+            kept = None
         else:
-            self.entries[name].append(_tree_map(self._swap, out))
+            kept = _tree_map(self._save if decision is Decision.SAVE else self._swap, out)
+        self.log.record(name, decision, kept, asked=not forced)
 
     def _save(self, x: Any) -> Any:
         if isinstance(x, Tensor):
@@ -273,10 +267,9 @@ class _CachedMindSporeDispatchMode(_ModeBase):
 
     def __init__(self, region: SelectiveRegion) -> None:
         super().__init__(region, recompute=True)
-        self._counters: DefaultDict[str, int] = defaultdict(int)
 
     def __enter__(self) -> "_CachedMindSporeDispatchMode":
-        self._counters.clear()  # each recomputation replays the region from its first op
+        self.region.log.start_replay()  # each recomputation replays the region from its first op
         super().__enter__()
         return self
 
@@ -286,32 +279,14 @@ class _CachedMindSporeDispatchMode(_ModeBase):
         if rerun:
             return _run(func, args, kwargs)
         region = self.region
-        idx = self._counters[name]
-        self._counters[name] += 1
-        entries = region.entries.get(name)
-        if entries is None or idx >= len(entries):
-            raise RuntimeError(
-                f"selective checkpoint: op {name} (call #{idx}) ran during recomputation but not in "
-                "forward. The region must run the same ops in forward and recompute; check for "
-                "control flow that depends on global state or on tensor values that changed.")
-        entry = entries[idx]
-        if entry is _CONSUMED:
-            raise RuntimeError(
-                "selective checkpoint: backward ran a second time through a region whose saved/swapped "
-                "op outputs were released by the first backward. Backward through a selectively "
-                "checkpointed region only once per forward.")
-        if not region.forced[name][idx]:
-            decision = region.ask(True, func, args, kwargs)
-            forward_decision = region.decisions[name][idx]
-            if decision is not forward_decision:
-                raise RuntimeError(
-                    f"selective checkpoint: policy_fn chose {forward_decision.value.upper()} for op {name} in "
-                    f"forward but {decision.value.upper()} while recomputing it; the policy must make the "
-                    "same choice in both (ctx.is_recompute tells them apart for logging, not for deciding).")
-        if entry is _RECOMPUTE:
+        index, kept, ask = region.log.next_call(name, name)
+        if ask:
+            region.log.check(name, index, region.ask(True, func, args, kwargs), name)
+        if kept is RECOMPUTE:
             return _run(func, args, kwargs)
-        entries[idx] = _CONSUMED  # release device memory as soon as backward has used it
-        return _tree_map(_take, entry)
+        value = _tree_map(_take, kept)  # may raise (e.g. not loaded): the record then stays usable
+        region.log.consume(name, index)  # release device memory as soon as backward has used it
+        return value
 
 
 def create_selective_checkpoint_contexts(policy_fn_or_list: Union[Callable[..., Any], List[Any]],

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from hyper_parallel.core.activation_checkpoint.policy import (
     CheckpointPolicy, Decision, SelectiveCheckpointContext, normalize_policy)
+from hyper_parallel.core.activation_checkpoint.selective import RECOMPUTE, OpLog
 from hyper_parallel.core.activation_checkpoint.swap_tensor import SwapView
 
 from . import _shim
@@ -92,8 +93,6 @@ def _always_rerun(func: Any) -> bool:
     return known
 
 
-_RECOMPUTE = object()
-_CONSUMED = object()
 
 # Positions / names of the arguments an op writes to (from its schema), per op.
 _WRITTEN_ARGS: Dict[Any, Tuple[Tuple[int, str], ...]] = {}
@@ -120,9 +119,7 @@ class SelectiveRegion:
                  storage_factory: Optional[Callable[[], Any]] = None) -> None:
         self.policy_fn = policy_fn
         self.allow_mutation = allow_cache_entry_mutation
-        self.entries: DefaultDict[Any, List[Any]] = defaultdict(list)
-        self.decisions: DefaultDict[Any, List[Decision]] = defaultdict(list)
-        self.demoted: set = set()  # (func, index) kept in forward, recomputed (see forget_mutated)
+        self.log = OpLog()
         self._storage_factory = storage_factory
         self._storage: Any = None
         # storage id -> (func, index) of kept outputs viewing it: an in-place op on one of them
@@ -152,12 +149,11 @@ class SelectiveRegion:
             raise
 
     def keep(self, func: Any, decision: Decision, out: Any) -> None:
-        self.decisions[func].append(decision)
         if decision is Decision.RECOMPUTE:
-            self.entries[func].append(_RECOMPUTE)
+            self.log.record(func, decision, None)
             return
-        index = len(self.entries[func])
-        self.entries[func].append(tree_map(self._save if decision is Decision.SAVE else self._swap, out))
+        index = self.log.record(func, decision,
+                                tree_map(self._save if decision is Decision.SAVE else self._swap, out))
         if not self.allow_mutation:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
@@ -172,8 +168,7 @@ class SelectiveRegion:
             return
         for t in _written_tensors(func, args, kwargs):
             for kept_func, index in self._kept_by_storage.pop(_shim.storage_key(t), ()):
-                self.entries[kept_func][index] = _RECOMPUTE
-                self.demoted.add((kept_func, index))
+                self.log.recompute_instead(kept_func, index)
 
     def _save(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -240,12 +235,8 @@ class _CachedMode(_RegionMode):
 
     recompute = True
 
-    def __init__(self, region: SelectiveRegion) -> None:
-        super().__init__(region)
-        self._counters: DefaultDict[Any, int] = defaultdict(int)
-
     def __enter__(self) -> "_CachedMode":
-        self._counters.clear()  # each backward replays the region from its first op
+        self.region.log.start_replay()
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -253,31 +244,13 @@ class _CachedMode(_RegionMode):
         if _always_rerun(func):
             return func(*args, **kwargs)
         region = self.region
-        idx = self._counters[func]
-        self._counters[func] += 1
-        entries = region.entries.get(func)
-        if entries is None or idx >= len(entries):
-            raise RuntimeError(
-                f"selective checkpoint: op {func} (call #{idx}) ran during recomputation but not in "
-                "forward. The region must run the same ops in forward and recompute; check for "
-                "control flow that depends on global state or on tensor values that changed.")
-        entry = entries[idx]
-        if entry is _CONSUMED:
-            raise RuntimeError(
-                "selective checkpoint: backward ran a second time through a region whose saved/swapped "
-                "op outputs were released by the first backward. Backward through a selectively "
-                "checkpointed region only once per forward (retain_graph=True cannot reuse them).")
-        decision = region.ask(True, func, args, kwargs)
-        forward_decision = region.decisions[func][idx]
-        if decision is not forward_decision and (func, idx) not in region.demoted:
-            raise RuntimeError(
-                f"selective checkpoint: policy_fn chose {forward_decision.value.upper()} for op {func} in "
-                f"forward but {decision.value.upper()} while recomputing it; the policy must make the "
-                "same choice in both (ctx.is_recompute tells them apart for logging, not for deciding).")
-        if entry is _RECOMPUTE:
+        index, kept, ask = region.log.next_call(func, func)
+        if ask:
+            region.log.check(func, index, region.ask(True, func, args, kwargs), func)
+        if kept is RECOMPUTE:
             return func(*args, **kwargs)
-        value = tree_map(_take, entry)  # may raise (e.g. not loaded): the entry then stays usable
-        entries[idx] = _CONSUMED  # release device memory as soon as backward has used it
+        value = tree_map(_take, kept)  # may raise (e.g. not loaded): the record then stays usable
+        region.log.consume(func, index)
         return value
 
 
