@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Callable, List
+from typing import Any, List
 
 from mindspore import Tensor, nn
+
+from hyper_parallel.platform.base import PlatformBase
 
 from . import _shim
 from .tensor_ops import MindSporeTensorOps
@@ -14,34 +16,11 @@ from .tensor_ops import MindSporeTensorOps
 __all__ = ["MindSporePlatform"]
 
 
-class MindSporePlatform:
+class MindSporePlatform(PlatformBase):
     name = "mindspore"
 
     def __init__(self) -> None:
-        self.tensor_ops = MindSporeTensorOps()
-
-    # The swap engine calls tensor/stream operations on the platform directly.
-    def __getattr__(self, item: str) -> Any:
-        if item == "tensor_ops":  # not set yet (e.g. during unpickling): avoid recursion
-            raise AttributeError(item)
-        return getattr(self.tensor_ops, item)
-
-    # ----------------------------------------------------------- public API backends
-    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        from .checkpoint import checkpoint
-        return checkpoint(*args, **kwargs)
-
-    def checkpoint_wrapper(self, *args: Any, **kwargs: Any) -> Any:
-        from .wrapper import checkpoint_wrapper
-        return checkpoint_wrapper(*args, **kwargs)
-
-    def swap_wrapper(self, *args: Any, **kwargs: Any) -> Any:
-        from .wrapper import swap_wrapper
-        return swap_wrapper(*args, **kwargs)
-
-    def create_selective_checkpoint_contexts(self, *args: Any, **kwargs: Any) -> Any:
-        from .sac import create_selective_checkpoint_contexts
-        return create_selective_checkpoint_contexts(*args, **kwargs)
+        super().__init__(MindSporeTensorOps())
 
     def pipeline_swap(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
@@ -49,10 +28,6 @@ class MindSporePlatform:
             "object in PyNative. Drive hyper_parallel.core.activation_checkpoint.microbatch_schedule."
             "MicrobatchSwapSchedule by hand (forward_start/forward_end/backward_start/backward_end per "
             "microbatch, step_end per step), or use SwapManager's atomic API.")
-
-    # ----------------------------------------------------------- lifecycle
-    def on_storage_death(self, storage: Any, callback: Callable[[str], None], name: str) -> None:
-        weakref.finalize(storage, callback, name)
 
     # ----------------------------------------------------------- layer chain hooks
     def check_layer(self, layer: Any) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Callable, List
+from typing import Any, List
 
 import torch
 from torch.utils._pytree import tree_leaves
+
+from hyper_parallel.platform.base import PlatformBase
 
 from . import _shim
 from .tensor_ops import TorchTensorOps
@@ -15,40 +17,15 @@ from .tensor_ops import TorchTensorOps
 __all__ = ["TorchPlatform"]
 
 
-class TorchPlatform:
+class TorchPlatform(PlatformBase):
     name = "torch"
 
     def __init__(self) -> None:
-        self.tensor_ops = TorchTensorOps()
-
-    # The swap engine calls tensor/stream operations on the platform directly.
-    def __getattr__(self, item: str) -> Any:
-        return getattr(self.tensor_ops, item)
-
-    # ----------------------------------------------------------- public API backends
-    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        from .checkpoint import checkpoint
-        return checkpoint(*args, **kwargs)
-
-    def checkpoint_wrapper(self, *args: Any, **kwargs: Any) -> Any:
-        from .wrapper import checkpoint_wrapper
-        return checkpoint_wrapper(*args, **kwargs)
-
-    def swap_wrapper(self, *args: Any, **kwargs: Any) -> Any:
-        from .wrapper import swap_wrapper
-        return swap_wrapper(*args, **kwargs)
-
-    def create_selective_checkpoint_contexts(self, *args: Any, **kwargs: Any) -> Any:
-        from .sac import create_selective_checkpoint_contexts
-        return create_selective_checkpoint_contexts(*args, **kwargs)
+        super().__init__(TorchTensorOps())
 
     def pipeline_swap(self, *args: Any, **kwargs: Any) -> Any:
         from .pipeline import pipeline_swap
         return pipeline_swap(*args, **kwargs)
-
-    # ----------------------------------------------------------- lifecycle
-    def on_storage_death(self, storage: Any, callback: Callable[[str], None], name: str) -> None:
-        weakref.finalize(storage, callback, name)
 
     # ----------------------------------------------------------- layer chain hooks
     def check_layer(self, layer: Any) -> None:
