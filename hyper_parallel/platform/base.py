@@ -7,7 +7,7 @@ import importlib
 import weakref
 from typing import Any, Callable
 
-__all__ = ["PlatformBase"]
+__all__ = ["PlatformBase", "EventOps"]
 
 
 class PlatformBase:
@@ -51,3 +51,16 @@ class PlatformBase:
     def on_storage_death(self, storage: Any, callback: Callable[[str], None], name: str) -> None:
         """Call ``callback(name)`` when the swap ``Storage`` object is garbage collected."""
         weakref.finalize(storage, callback, name)
+
+
+class EventOps:
+    """Event plumbing that only needs the stream/event protocol every framework shares
+    (``stream.record_event()``, ``stream.wait_event(event)``); ``None`` means "no streams"
+    (CPU: copies are synchronous, so there is nothing to order)."""
+
+    def record_event(self, stream: Any) -> Any:
+        return stream.record_event() if stream is not None else None
+
+    def stream_wait(self, stream: Any, event: Any) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)

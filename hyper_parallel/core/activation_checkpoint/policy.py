@@ -6,7 +6,7 @@ import enum
 from typing import Any, Callable, Optional
 
 __all__ = ["CheckpointPolicy", "SelectiveCheckpointContext", "Decision", "normalize_policy",
-           "normalize_swap_policy"]
+           "normalize_swap_policy", "as_policy_fn"]
 
 
 class CheckpointPolicy(enum.Enum):
@@ -119,3 +119,16 @@ def normalize_swap_policy(value: Any, what: str) -> Decision:
         f"swap_wrapper policy_fn returned {value!r} for {what}; expected CheckpointPolicy.MUST_SWAP, "
         "CheckpointPolicy.MUST_SAVE or CheckpointPolicy.PREFER_SAVE."
     )
+
+
+def as_policy_fn(policy_fn_or_list: Any, from_op_list: Callable[[Any], Callable[..., Any]],
+                 list_entries: str) -> Callable[..., Any]:
+    """A policy function from what the user passed: a callable as is, a list/tuple/set turned
+    into one by the platform's ``from_op_list`` (``list_entries`` names what such a list holds,
+    for the error message); anything else is a ``TypeError``."""
+    if isinstance(policy_fn_or_list, (list, tuple, set, frozenset)):
+        return from_op_list(policy_fn_or_list)
+    if not callable(policy_fn_or_list):
+        raise TypeError("policy_fn must be a callable policy_fn(ctx, op, *args, **kwargs) or a list of "
+                        f"{list_entries}, got {policy_fn_or_list!r}.")
+    return policy_fn_or_list

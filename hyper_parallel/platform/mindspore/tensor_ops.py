@@ -13,6 +13,8 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 import mindspore as ms
 from mindspore import Tensor, mint
 
+from hyper_parallel.platform.base import EventOps
+
 from . import _shim
 
 __all__ = ["ViewMeta", "MindSporeTensorOps", "device_kind"]
@@ -65,7 +67,7 @@ class _MstxRange:
                 pass
 
 
-class MindSporeTensorOps:
+class MindSporeTensorOps(EventOps):
     """What ``SwapTensor`` / ``SwapGroup`` / ``HostBufferPool`` ask of the framework."""
 
     def __init__(self) -> None:
@@ -181,13 +183,6 @@ class MindSporeTensorOps:
         if stream is None or self.accelerator is None:
             return contextlib.nullcontext()
         return ms.runtime.StreamCtx(stream)
-
-    def record_event(self, stream: Any) -> Any:
-        return stream.record_event() if stream is not None else None
-
-    def stream_wait(self, stream: Any, event: Any) -> None:
-        if stream is not None and event is not None:
-            stream.wait_event(event)
 
     def current_stream_wait(self, event: Any) -> None:
         if event is not None and self.accelerator is not None:

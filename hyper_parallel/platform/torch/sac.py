@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from hyper_parallel.core.activation_checkpoint.policy import (
     CheckpointPolicy, Decision, SelectiveCheckpointContext, normalize_policy)
+from hyper_parallel.core.activation_checkpoint.policy import as_policy_fn as _as_policy_fn
 from hyper_parallel.core.activation_checkpoint.selective import RECOMPUTE, OpLog
 from hyper_parallel.core.activation_checkpoint.swap_tensor import SwapView
 
@@ -67,12 +68,7 @@ def policy_from_op_list(ops: Any) -> Callable[..., CheckpointPolicy]:
 
 
 def as_policy_fn(policy_fn_or_list: Any) -> Callable[..., Any]:
-    if isinstance(policy_fn_or_list, (list, tuple, set, frozenset)):
-        return policy_from_op_list(policy_fn_or_list)
-    if not callable(policy_fn_or_list):
-        raise TypeError("policy_fn must be a callable policy_fn(ctx, op, *args, **kwargs) or a list of "
-                        f"OpOverloads, got {policy_fn_or_list!r}.")
-    return policy_fn_or_list
+    return _as_policy_fn(policy_fn_or_list, policy_from_op_list, "OpOverloads")
 
 
 # Ops that always run again in recompute, without asking the policy:

@@ -7,6 +7,8 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from hyper_parallel.platform.base import EventOps
+
 from . import _shim
 
 __all__ = ["ViewMeta", "TorchTensorOps"]
@@ -28,7 +30,7 @@ def _mark_host(t: torch.Tensor) -> None:
     mark_host(t)
 
 
-class TorchTensorOps:
+class TorchTensorOps(EventOps):
     """Copies run on an accelerator's copy stream, ordered by events; on a CPU-only build every
     stream operation is a no-op and copies are synchronous, so the same state machine runs."""
 
@@ -116,13 +118,6 @@ class TorchTensorOps:
         if stream is None or self._dm is None:
             return contextlib.nullcontext()
         return self._dm.stream(stream)
-
-    def record_event(self, stream: Any) -> Any:
-        return stream.record_event() if stream is not None else None
-
-    def stream_wait(self, stream: Any, event: Any) -> None:
-        if stream is not None and event is not None:
-            stream.wait_event(event)
 
     def current_stream_wait(self, event: Any) -> None:
         if event is not None and self._dm is not None:
