@@ -18,7 +18,7 @@ Example (the RFC's recompute + swap recipe)::
 
 from .activation_checkpoint import (checkpoint, checkpoint_wrapper, create_selective_checkpoint_contexts,
                                     swap_wrapper)
-from .activation_checkpoint import pipeline_swap
+from .activation_checkpoint import pipeline_swap, wrap_layers
 from .policy import CheckpointPolicy, SelectiveCheckpointContext
 from .swap_manager import SwapManager
 
@@ -31,4 +31,5 @@ __all__ = [
     "swap_wrapper",
     "SwapManager",
     "pipeline_swap",
+    "wrap_layers",
 ]

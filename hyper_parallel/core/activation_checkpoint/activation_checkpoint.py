@@ -8,7 +8,7 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 from ...platform import get_platform
 
 __all__ = ["checkpoint", "checkpoint_wrapper", "swap_wrapper", "create_selective_checkpoint_contexts",
-           "pipeline_swap"]
+           "pipeline_swap", "wrap_layers"]
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None,
@@ -118,3 +118,52 @@ def pipeline_swap(schedule: Any, prefetch: int = 1, prefix: str = "pp", measure:
         >>> schedule.step(x, target=y)  # doctest: +SKIP
     """
     return get_platform().pipeline_swap(schedule, prefetch=prefetch, prefix=prefix, measure=measure)
+
+
+def wrap_layers(layers: Any, *, policy_fn: Any = None, swap: bool = False, swap_inputs: bool = False,
+                chain: bool = True) -> Any:
+    """Wrap every layer of a stack and chain consecutive layers for swap, in one call.
+
+    - ``swap=False`` (default): each layer gets ``checkpoint_wrapper(layer, policy_fn, swap_inputs)``
+      (no ``policy_fn``: whole-layer recompute);
+    - ``swap=True``: each layer gets ``swap_wrapper(layer, policy_fn)`` (``policy_fn(tensor)``, see
+      :func:`swap_wrapper`); ``swap_inputs`` does not apply there.
+    - ``chain=True``: ``SwapManager().set_forward_prefetch_layer(layers[i], layers[i + 1])`` for
+      every consecutive pair, so each layer's swapped tensors are offloaded while the next layer
+      computes and prefetched while the next layer runs its backward.
+
+    ``layers`` is any sequence of modules (``nn.ModuleList``, ``nn.Sequential``, a list): the
+    layers are wrapped in place, and ``layers`` is returned. Hugging Face decoders keep theirs in
+    ``model.model.layers``, GPT-2 in ``model.transformer.h``, torchtitan in ``model.layers``.
+
+    Example::
+
+        >>> import torch
+        >>> from hyper_parallel.core.activation_checkpoint import wrap_layers
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        >>> _ = wrap_layers(layers, swap=True)
+        >>> torch.nn.Sequential(*layers)(torch.randn(2, 8)).sum().backward()
+    """
+    if not isinstance(swap, bool) or not isinstance(chain, bool):
+        raise TypeError(f"wrap_layers: swap and chain must be bools, got swap={swap!r}, chain={chain!r}")
+    if swap and swap_inputs:
+        raise ValueError("wrap_layers: swap_inputs applies to checkpoint_wrapper (swap=False); with "
+                         "swap=True every saved tensor, the layer's inputs included, is already a candidate.")
+    try:
+        items = list(layers)
+    except TypeError:
+        raise TypeError(f"wrap_layers expects a sequence of layers (nn.ModuleList, nn.Sequential, list), "
+                        f"got {type(layers).__name__}") from None
+    if not items:
+        raise ValueError("wrap_layers: the layer stack is empty.")
+    for layer in items:
+        if swap:
+            swap_wrapper(layer, policy_fn=policy_fn)
+        else:
+            checkpoint_wrapper(layer, policy_fn=policy_fn, swap_inputs=swap_inputs)
+    if chain:
+        from .swap_manager import SwapManager
+        manager = SwapManager()
+        for first, second in zip(items, items[1:]):
+            manager.set_forward_prefetch_layer(first, second)
+    return layers
