@@ -1,13 +1,7 @@
 """Shared fixtures: every test starts and ends with a clean swap manager and a known RNG."""
 
-import os
-import sys
-
 import pytest
 import torch
-
-# make ``import helpers`` work whatever the rootdir / import mode
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # One intra-op thread for the whole session: these small models only pay thread hand-offs, which
 # cost 10-20x on a busy 2-core machine. Session-wide (not per test) so that module-scoped

@@ -172,7 +172,7 @@ def max_diff(state: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> fl
 
 def swap_summary() -> Dict[str, Any]:
     from hyper_parallel.core.activation_checkpoint import SwapManager
-    from hyper_parallel.core.activation_checkpoint.microbatch_schedule import resident_swap_bytes
+    from hyper_parallel.core.microbatch_schedule import resident_swap_bytes
     mgr = SwapManager()
     st = mgr.stats()
     return {"offloaded_bytes": st["offloaded_bytes"], "loaded_bytes": st["loaded_bytes"],
@@ -189,7 +189,7 @@ def group_tensor_counts() -> Dict[str, int]:
 
 
 def _all_states():
-    from hyper_parallel.core.activation_checkpoint.swap_tensor import TensorState
+    from hyper_parallel.core.swap_tensor import TensorState
     return tuple(TensorState)
 
 
@@ -419,7 +419,7 @@ class _Probe:
 
     def _sample(self) -> None:
         from hyper_parallel.core.activation_checkpoint import SwapManager
-        from hyper_parallel.core.activation_checkpoint.microbatch_schedule import resident_swap_bytes
+        from hyper_parallel.core.microbatch_schedule import resident_swap_bytes
         if self.enabled:
             self.samples.append(resident_swap_bytes(SwapManager()))
 
@@ -490,7 +490,7 @@ def _run_pipeline(rank: int, world: int, schedule_name: str, prefetch: Optional[
     mgr = SwapManager()
     mgr.set_current_group_name("probe.one_mb")
     one = submod(pipeline_batch(0)[0][:BATCH // N_MB].requires_grad_())
-    from hyper_parallel.core.activation_checkpoint.microbatch_schedule import resident_swap_bytes
+    from hyper_parallel.core.microbatch_schedule import resident_swap_bytes
     mb_bytes = resident_swap_bytes(mgr, "probe.one_mb")
     mgr.set_current_group_name(None)
     del one

@@ -18,7 +18,7 @@ import torch
 
 import dist_utils
 from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
-from hyper_parallel.core.activation_checkpoint.microbatch_schedule import (MicrobatchSwapSchedule,
+from hyper_parallel.core.microbatch_schedule import (MicrobatchSwapSchedule,
                                                                           resident_swap_bytes)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

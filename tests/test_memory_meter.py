@@ -12,8 +12,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-import hyper_parallel.platform.torch.memory as memory_impl
-import hyper_parallel.tools.memory as memory_public
+import hyper_parallel.tools.memory as memory_impl
+
+memory_public = memory_impl
 from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, mark_host
 
 MiB = 1 << 20

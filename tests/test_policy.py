@@ -11,7 +11,7 @@ import torch.utils.checkpoint as torch_ckpt
 from hyper_parallel.core.activation_checkpoint import (
     CheckpointPolicy, SelectiveCheckpointContext, checkpoint, checkpoint_wrapper,
     create_selective_checkpoint_contexts)
-from hyper_parallel.core.activation_checkpoint.policy import Decision, normalize_policy
+from hyper_parallel.core.policy import Decision, normalize_policy
 
 from helpers import (MATMUL_OPS, REGION_FORWARD_OPS, RecordingPolicy, aten, assert_all_equal,
                      forward_backward_counts, make_params, policy_for_matmuls, region, rerun_counts)
@@ -119,8 +119,8 @@ def test_answer_decides_whether_matmuls_rerun(answer, expected):
     (TorchPolicy.PREFER_CPU_OFFLOAD, CheckpointPolicy.MUST_SWAP),
 ])
 def test_torch_members_map_to_ours(torch_member, ours):
-    from hyper_parallel.platform.torch.sac import convert_torch_policy
-    assert normalize_policy(torch_member, aten.mm.default, convert_torch_policy) is ours
+    from hyper_parallel.core.backend import active_backend
+    assert normalize_policy(torch_member, aten.mm.default, active_backend().convert_policy) is ours
 
 
 @pytest.mark.parametrize("value", ["save", None, 1, 0, 2.5, object()])

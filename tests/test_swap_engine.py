@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
-from hyper_parallel.core.activation_checkpoint.swap_tensor import SwapView, TensorState
+from hyper_parallel.core.swap_tensor import SwapView, TensorState
 from hyper_parallel.tools.memory import MemoryMeter
 
 from swap_models import ToyNet, assert_tensors_equal, grads, group, make_input, round_trip, train

@@ -1,8 +1,5 @@
-"""Select the MindSpore platform for the library before anything imports it.
-
-``HYPER_PARALLEL_PLATFORM=mindspore`` selects it once ``hyper_parallel/platform/__init__.py``
-knows the MindSpore backend; until then the platform object is installed directly (the core reads
-it through ``get_platform()``, which returns an already-created platform as is)."""
+"""Select the MindSpore backend (``HYPER_PARALLEL_PLATFORM=mindspore``) before anything imports
+the library, and check that the public API bound it."""
 
 from __future__ import annotations
 
@@ -21,11 +18,7 @@ def install() -> None:
     target = os.environ.get("HP_MS_DEVICE")  # e.g. "Ascend" to run the suite on an NPU
     if target:
         ms.set_device(target)
-    import hyper_parallel.platform as hp
-    try:
-        platform = hp.get_platform()
-    except RuntimeError:  # this release's selector does not know MindSpore yet
-        from hyper_parallel.platform.mindspore.platform import MindSporePlatform
-        hp._platform = platform = MindSporePlatform()  # pylint: disable=protected-access
-    if platform.name != "mindspore":
-        raise RuntimeError(f"expected the MindSpore platform, got {platform.name!r}")
+    from hyper_parallel.core.activation_checkpoint import selected_platform
+    from hyper_parallel.core.backend import active_backend
+    if selected_platform() != "mindspore" or active_backend().name != "mindspore":
+        raise RuntimeError(f"expected the MindSpore backend, got {active_backend().name!r}")

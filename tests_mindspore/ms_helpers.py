@@ -13,7 +13,7 @@ from mindspore import Parameter, Tensor, mint
 from mindspore.utils import MsDispatchMode
 
 from hyper_parallel.core.activation_checkpoint import CheckpointPolicy
-from hyper_parallel.platform.mindspore import _shim
+from hyper_parallel.backends.mindspore import _shim
 
 MATMULS = frozenset({"MatMul", "MatMulExt", "BatchMatMul", "BatchMatMulExt"})
 
@@ -24,7 +24,7 @@ class OpCounter(MsDispatchMode):
     MindSpore chains dispatch modes: an op a selective checkpoint returns from its cache never
     reaches this (outer) mode; an op that runs does, in forward and in backward (recomputation
     included). The PyNative front-end pipeline is turned off while it is active (with it on,
-    MindSpore 2.10 dispatch modes miss ops; see ``platform/mindspore/_shim.py``)."""
+    MindSpore 2.10 dispatch modes miss ops; see ``backends/mindspore/_shim.py``)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -12,15 +12,16 @@ from mindspore import Tensor, mint, nn, ops
 
 from hyper_parallel.core.activation_checkpoint import (CheckpointPolicy, checkpoint, checkpoint_wrapper,
                                                        create_selective_checkpoint_contexts)
-from hyper_parallel.platform import get_platform
-from hyper_parallel.platform.mindspore.saved import region_flags
+import hyper_parallel.core.activation_checkpoint  # noqa: F401  (binds the backend)
+from hyper_parallel.core.backend import active_backend
+from hyper_parallel.core.region_state import region_flags
 
 from ms_helpers import (MATMULS, RecordingPolicy, assert_all_equal, counts_of, grads, make_params,
                         region)
 
 
 def test_platform_is_mindspore():
-    assert get_platform().name == "mindspore"
+    assert active_backend().name == "mindspore"
 
 
 def _loss_plain(x, w1, w2):

@@ -85,7 +85,7 @@ def test_aliases_come_back_as_aliases_and_stride0_views():
     """MindSpore's CPU kernels save contiguous copies of view inputs, so autograd never hands the
     swap system two views of one storage there; the engine's alias handling is exercised directly:
     views registered into one Storage share one copy and come back as views of one storage."""
-    from hyper_parallel.core.activation_checkpoint.storage import Storage
+    from hyper_parallel.core.storage import Storage
 
     mgr = SwapManager()
     mgr.set_current_group_name("views")
@@ -419,7 +419,7 @@ def test_microbatch_schedule_driven_by_hand():
     MindSpore 2.10 PyNative can only run the backwards of several outstanding ``vjp`` graphs in
     reverse order ("Can not find top cell for backward" otherwise), so they run last-in first-out
     here; GPipe's in-order backwards need one graph per microbatch at a time on MindSpore."""
-    from hyper_parallel.core.activation_checkpoint.microbatch_schedule import MicrobatchSwapSchedule
+    from hyper_parallel.core.microbatch_schedule import MicrobatchSwapSchedule
 
     x, w1, w2 = make_params()
     inputs = [x * float(i + 1) for i in range(3)]

@@ -1,5 +1,7 @@
-"""Framework-neutral parts of hyper-parallel: policies, the swap state machine, scheduling.
+"""The framework-neutral engine of hyper-parallel: policies, selective regions, the saved-tensor
+packer, the swap state machine, schedules and in-place wrapping.
 
-Nothing under this package imports a framework directly; tensor and stream operations go
-through :func:`hyper_parallel.platform.get_platform`.
+Nothing under this package imports a framework; it reaches one only through the
+:class:`hyper_parallel.core.backend.Backend` that the public API module
+(:mod:`hyper_parallel.core.activation_checkpoint`) binds. See ``docs/architecture.md``.
 """

@@ -1,1 +1,1 @@
-"""Developer tools for hyper-parallel (see :mod:`hyper_parallel.tools.memory` for the memory meter)."""
+"""Tools around the engine: :mod:`hyper_parallel.tools.memory` (the memory meter)."""

@@ -1,26 +1,56 @@
-"""Activation recompute and swap, managed in one place.
+"""Activation recompute and swap, managed in one place: the public API.
+
+This module is the one place that binds a framework backend to the engine
+(``HYPER_PARALLEL_PLATFORM=torch`` or ``mindspore``; unset: PyTorch if it is installed, else
+MindSpore). Everything else under :mod:`hyper_parallel.core` is framework-neutral.
 
 Example (the RFC's recompute + swap recipe)::
 
     >>> import torch
-    >>> from hyper_parallel.core.activation_checkpoint import (
-    ...     CheckpointPolicy, SwapManager, checkpoint_wrapper)
+    >>> from hyper_parallel.core.activation_checkpoint import CheckpointPolicy, wrap_layers
     >>> heavy = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
     >>> def policy_fn(ctx, op, *args, **kwargs):
     ...     return CheckpointPolicy.MUST_SWAP if op in heavy else CheckpointPolicy.MUST_RECOMPUTE
     >>> layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
     ...                              for _ in range(3))
-    >>> for i, layer in enumerate(layers):
-    ...     layers[i] = checkpoint_wrapper(layer, policy_fn=policy_fn, swap_inputs=True)
-    >>> for i in range(len(layers) - 1):
-    ...     SwapManager().set_forward_prefetch_layer(layers[i], layers[i + 1])
+    >>> _ = wrap_layers(layers, policy_fn=policy_fn, swap_inputs=True)   # wrap + chain for swap
 """
 
-from .activation_checkpoint import (checkpoint, checkpoint_wrapper, create_selective_checkpoint_contexts,
-                                    swap_wrapper)
-from .activation_checkpoint import pipeline_swap, wrap_layers
-from .policy import CheckpointPolicy, SelectiveCheckpointContext
-from .swap_manager import SwapManager
+import importlib.util
+import os
+
+from hyper_parallel.core.backend import set_backend
+
+SUPPORTED_PLATFORMS = ("torch", "mindspore")
+
+
+def selected_platform() -> str:
+    """The framework this process uses: ``HYPER_PARALLEL_PLATFORM``, else torch when it is
+    installed, else mindspore."""
+    name = os.environ.get("HYPER_PARALLEL_PLATFORM", "").strip().lower()
+    if not name:
+        no_torch = importlib.util.find_spec("torch") is None
+        name = "mindspore" if no_torch and importlib.util.find_spec("mindspore") is not None else "torch"
+    if name not in SUPPORTED_PLATFORMS:
+        raise ValueError(f"HYPER_PARALLEL_PLATFORM={name!r} is not a known platform; choose one of "
+                         f"{SUPPORTED_PLATFORMS}.")
+    return name
+
+
+if selected_platform() == "mindspore":
+    from hyper_parallel.backends.mindspore.backend import MindSporeBackend as _SelectedBackend
+    from hyper_parallel.backends.mindspore.backend import pipeline_swap
+else:
+    from hyper_parallel.backends.torch.backend import TorchBackend as _SelectedBackend
+    from hyper_parallel.backends.torch.pipeline import pipeline_swap
+
+set_backend(_SelectedBackend())
+
+from hyper_parallel.core.keep_reason import KeepReason  # noqa: E402
+from hyper_parallel.core.policy import CheckpointPolicy, SelectiveCheckpointContext  # noqa: E402
+from hyper_parallel.core.region import checkpoint, create_selective_checkpoint_contexts  # noqa: E402
+from hyper_parallel.core.swap_manager import SwapManager  # noqa: E402
+from hyper_parallel.core.wrapping import checkpoint_wrapper, swap_wrapper, wrap_layers  # noqa: E402
 
 __all__ = [
     "CheckpointPolicy",
@@ -29,7 +59,9 @@ __all__ = [
     "checkpoint",
     "checkpoint_wrapper",
     "swap_wrapper",
-    "SwapManager",
-    "pipeline_swap",
     "wrap_layers",
+    "SwapManager",
+    "KeepReason",
+    "pipeline_swap",
+    "selected_platform",
 ]

@@ -1,0 +1,410 @@
+"""``MindSporeBackend``: the primitives of :class:`hyper_parallel.core.backend.Backend` on
+MindSpore (PyNative).
+
+On Ascend / GPU copies run on a copy stream (``mindspore.runtime.Stream``), ordered by events, into
+pinned host buffers. On a CPU-only build MindSpore has no streams or events, so every stream
+operation is a no-op and copies are synchronous: the same state machine runs.
+
+Selective regions run inside ``mindspore.recompute(block, *args, use_reentrant=False,
+context_fn=...)`` with a pair of ``MsDispatchMode`` s. The policy receives MindSpore's op object
+(``mindspore._c_expression.OpFunc``); name ops by ``op.name`` (the primitive name, e.g.
+``"MatMul"``, ``"MatMulExt"``, ``"Softmax"``); a list policy names ops by those strings.
+Ops never left to the policy: ``StopGradient`` (issued by ``mindspore.recompute`` itself while
+recomputing), ops that mutate an argument (``Inplace*``, ``Assign*``...: always re-run), and ops
+that draw random numbers (dropout, ``Uniform*``...: always kept, because MindSpore's CPU kernels
+keep their own RNG state, which ``recompute`` cannot restore).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import mindspore as ms
+from mindspore import Tensor, mint, nn
+from mindspore.ops import Primitive
+from mindspore.utils import MsDispatchMode
+
+from hyper_parallel.core.backend import Backend, OpKind
+from hyper_parallel.core.keep_reason import KeepReason
+from hyper_parallel.core.policy import CheckpointPolicy
+from hyper_parallel.core.region_state import RegionMarker
+
+from . import _shim
+
+__all__ = ["MindSporeBackend", "ViewMeta", "device_kind", "op_name", "is_random_op", "is_mutating_op",
+           "RANDOM_OP_NAMES", "pipeline_swap"]
+
+_ACCELERATORS = ("Ascend", "GPU")
+
+
+class ViewMeta(NamedTuple):
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    offset: int
+    dtype: Any
+    device: str  # what ``mint.empty(device=...)`` accepts: "CPU", "Ascend", ...
+
+
+def device_kind(t: Tensor) -> str:
+    """``"CPU"`` / ``"Ascend"`` / ``"GPU"`` for a tensor (MindSpore spells e.g. ``"Ascend:0"``)."""
+    name = str(t.device).split(":", 1)[0]
+    low = name.lower()
+    if low == "cpu":
+        return "CPU"
+    if low in ("ascend", "npu"):
+        return "Ascend"
+    if low in ("gpu", "cuda"):
+        return "GPU"
+    return name
+
+
+# ------------------------------------------------------------------------------------- op classes
+def op_name(op: Any) -> str:
+    """The name of an op as the policy sees it: ``OpFunc.name`` / ``Primitive.name`` / a string /
+    a ``Primitive`` subclass (its class name)."""
+    if isinstance(op, str):
+        return op
+    if isinstance(op, type):
+        return op.__name__
+    name = getattr(op, "name", None)
+    if isinstance(name, str):
+        return name
+    raise TypeError(f"cannot name op {op!r} ({type(op).__name__}); use its primitive name, e.g. 'MatMul'.")
+
+
+_MACHINERY_OPS = frozenset({"StopGradient"})
+_MUTATING_NAMES = frozenset({"Assign", "AssignAdd", "AssignSub", "ScatterUpdate", "ScatterAdd", "ScatterSub",
+                             "ScatterMul", "ScatterDiv", "ScatterMax", "ScatterMin", "ScatterNdUpdate",
+                             "ScatterNdAdd", "ScatterNdSub", "TensorScatterUpdate", "Load", "UpdateState"})
+#: Names (lower case) of ops that draw random numbers; extend it for custom random ops.
+RANDOM_OP_NAMES = {"gamma", "randomgamma", "standardnormal", "standardlaplace", "truncatednormal",
+                   "lognormalreverse", "parameterizedtruncatednormal", "randomstandardnormal",
+                   "randomcategorical", "randomchoicewithmask", "randomshuffle", "randperm", "randpermv2",
+                   "randpermext"}
+_RANDOM_WORDS = ("dropout", "rand", "uniform", "bernoulli", "multinomial", "poisson")
+
+
+def is_mutating_op(name: str) -> bool:
+    return name.startswith("Inplace") or name in _MUTATING_NAMES
+
+
+def is_random_op(name: str) -> bool:
+    low = name.lower()
+    return low in RANDOM_OP_NAMES or any(w in low for w in _RANDOM_WORDS) or \
+        (low.startswith("normal") and not low.startswith("normalize"))
+
+
+class _MstxRange:
+    """A named range in Ascend profiler (mstx) traces; tracing is optional, so any profiler
+    failure leaves the range out."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.rid: Any = None
+
+    def __enter__(self) -> "_MstxRange":
+        try:
+            self.rid = _shim.mstx_range_start(self.name)
+        except Exception:  # profiler not available / not enabled
+            self.rid = None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.rid is not None:
+            try:
+                _shim.mstx_range_end(self.rid)
+            except Exception:
+                pass
+
+
+# ------------------------------------------------------------------------------------- dispatch modes
+class _RegionMode(MsDispatchMode):
+    """Dispatch mode of one selective region inside ``mindspore.recompute``."""
+
+    recompute = False
+
+    def __init__(self, region: Any) -> None:
+        super().__init__()
+        self._region = region
+        self._op = region.recompute_op if self.recompute else region.forward_op
+        self._marker = RegionMarker(recompute=self.recompute)
+        self._pipeline_prev: List[bool] = []
+
+    def __enter__(self) -> "_RegionMode":
+        if self.recompute:
+            self._region.log.start_replay()  # each recomputation replays the region from its first op
+        self._pipeline_prev.append(_shim.disable_pipeline())
+        self._marker.__enter__()
+        try:
+            super().__enter__()
+        except BaseException:
+            self._marker.__exit__(None, None, None)
+            _shim.restore_pipeline(self._pipeline_prev.pop())
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._marker.__exit__(*exc)
+            _shim.restore_pipeline(self._pipeline_prev.pop())
+        return False
+
+    def __ms_dispatch__(self, func: Any, args: Tuple, kwargs: Optional[Dict] = None) -> Any:
+        return self._op(func, args, kwargs or {})
+
+
+class _RecomputeMode(_RegionMode):
+    recompute = True
+
+
+class MindSporeBackend(Backend):
+    name = "mindspore"
+    module_method = "construct"
+    module_type = "nn.Cell"
+    #: ``early_stop`` defaults to False: MindSpore 2.10's early stop raises its stop signal from
+    #: inside the saved-tensor hook, and when that happens inside a legacy primitive (e.g. the CPU
+    #: ``Dropout``) the recompute's graph bookkeeping breaks ("Stack input_args_info_stack_ is
+    #: empty"). ``preserve_rng_state`` maps to MindSpore's ``save_rng_state``.
+    checkpoint_options = ("early_stop", "preserve_rng_state")
+    rng_replayable = False
+    op_list_entries = "op names"
+
+    def __init__(self) -> None:
+        target = ms.get_context("device_target")
+        self.device_target: str = target
+        self.accelerator: Optional[str] = target if target in _ACCELERATORS else None
+        self._kinds: Dict[str, OpKind] = {}
+
+    # ------------------------------------------------------------------ tensors
+    def is_tensor(self, x: Any) -> bool:
+        return isinstance(x, Tensor)
+
+    def storage_id(self, t: Tensor) -> int:
+        # The address of the storage's first byte: aliases (views, reshapes, transposes) share it.
+        # It is only compared while the swap system holds an alias, so it cannot be reused meanwhile.
+        return t.untyped_storage().data_ptr()
+
+    def storage_nbytes(self, t: Tensor) -> int:
+        return t.untyped_storage().nbytes()
+
+    def storage_other_holders(self, aliases: Sequence[Tensor]) -> int:
+        # MindSpore exposes no use count of a storage, so "does somebody else still hold it" cannot
+        # be answered: every candidate is copied. That stays safe (only the swap system's own
+        # references are dropped); it spends bandwidth and a host buffer on shared storages.
+        return 0
+
+    def version(self, t: Tensor) -> int:
+        # Version bumps happen in PyNative's asynchronous pipeline: wait for it, or an in-place
+        # op issued just before would not be counted yet.
+        t.wait_pipeline()
+        return t._version  # pylint: disable=protected-access
+
+    def view_meta(self, t: Tensor) -> ViewMeta:
+        return ViewMeta(tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype, device_kind(t))
+
+    def alias(self, t: Tensor) -> Tensor:
+        # A no-grad view with the same layout, sharing the version counter: holding it keeps the
+        # storage alive but not the autograd graph (saved_tensors_hooks forbids packs that do).
+        with _shim.internal():
+            return t.view(tuple(t.shape))
+
+    def hand_back(self, t: Tensor) -> Tensor:
+        # Autograd attaches the recomputed node to the returned tensor object, so it must not be
+        # the one the cache (or the swap system) keeps.
+        return self.alias(t)
+
+    def unswappable_reason(self, t: Any) -> Optional[KeepReason]:
+        if not isinstance(t, Tensor):
+            return KeepReason.UNSUPPORTED_TENSOR
+        try:
+            if t.is_meta():
+                return KeepReason.UNSUPPORTED_TENSOR
+        except Exception:
+            pass
+        if self.accelerator is not None and device_kind(t) != self.accelerator:
+            return KeepReason.ON_HOST
+        try:
+            if t.untyped_storage().nbytes() == 0:
+                return KeepReason.EMPTY
+        except Exception:  # a tensor without a device address (not materialised)
+            return KeepReason.UNSUPPORTED_TENSOR
+        return None
+
+    def requires_grad(self, t: Tensor) -> bool:
+        return bool(t._requires_grad)  # pylint: disable=protected-access
+
+    def is_grad_leaf(self, t: Tensor) -> bool:
+        return bool(t._is_leaf and t._requires_grad)  # pylint: disable=protected-access
+
+    # ------------------------------------------------------------------ byte views, allocation, copies
+    def byte_view(self, t: Tensor) -> Tensor:
+        with _shim.internal():
+            st = t.untyped_storage()
+            empty = mint.empty(0, dtype=st.dtype, device=device_kind(t))
+            n = st.nbytes() // empty.itemsize
+            return empty.set_(st, 0, (n,), (1,)).view(ms.uint8)
+
+    def rebuild_view(self, flat: Tensor, meta: ViewMeta) -> Tensor:
+        with _shim.internal():
+            typed = flat.view(meta.dtype)
+            out = mint.empty(0, dtype=meta.dtype, device=meta.device)
+            return out.set_(typed.untyped_storage(), meta.offset, meta.size, meta.stride)
+
+    def empty_device_bytes(self, nbytes: int, like: ViewMeta) -> Tensor:
+        with _shim.internal():
+            return mint.empty(nbytes, dtype=ms.uint8, device=like.device)
+
+    def empty_host_bytes(self, nbytes: int) -> Tensor:
+        with _shim.internal():
+            return mint.empty(nbytes, dtype=ms.uint8, device="CPU", pin_memory=self.accelerator is not None)
+
+    def copy_bytes(self, dst: Tensor, src: Tensor) -> None:
+        with _shim.internal():
+            dst.copy_(src, non_blocking=True)
+
+    def mark_used_by(self, t: Tensor, stream: Any) -> None:
+        record = getattr(t, "record_stream", None)
+        if stream is not None and record is not None:
+            record(stream)
+
+    # ------------------------------------------------------------------ streams and events
+    def current_stream(self) -> Any:
+        return ms.runtime.current_stream() if self.accelerator is not None else None
+
+    def new_copy_stream(self) -> Any:
+        return ms.runtime.Stream() if self.accelerator is not None else None
+
+    def stream_context(self, stream: Any) -> Any:
+        if stream is None or self.accelerator is None:
+            return contextlib.nullcontext()
+        return ms.runtime.StreamCtx(stream)
+
+    def trace_range(self, name: str) -> Any:
+        return _MstxRange(name) if self.accelerator == "Ascend" else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ random numbers
+    # rng_replayable is False: random ops are always kept, so the engine never snapshots the RNG.
+    def rng_state(self, args: Sequence[Any]) -> Any:
+        return None
+
+    def rng_equal(self, a: Any, b: Any) -> bool:
+        return True
+
+    def set_rng_state(self, state: Any) -> None:
+        return None
+
+    # ------------------------------------------------------------------ autograd
+    def grad_recording(self) -> bool:
+        return _shim.recording_grad()
+
+    def in_backward(self) -> bool:
+        return _shim.in_backward()
+
+    def saved_tensors_hooks(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
+        return ms.saved_tensors_hooks(pack, unpack)
+
+    def dispatch_modes(self, region: Any) -> Tuple[MsDispatchMode, MsDispatchMode]:
+        return _RegionMode(region), _RecomputeMode(region)
+
+    def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
+                       region: Any, options: dict) -> Any:
+        extra = {}
+        if "preserve_rng_state" in options:
+            extra["save_rng_state"] = bool(options["preserve_rng_state"])
+        return ms.recompute(function, *args, use_reentrant=False, early_stop=bool(options.get("early_stop", False)),
+                            context_fn=lambda: self.dispatch_modes(region), **extra, **kwargs)
+
+    def check_checkpoint_options(self, options: dict, selective: bool) -> None:
+        return None
+
+    def check_ready(self, what: str) -> None:
+        if ms.get_context("mode") != ms.PYNATIVE_MODE:
+            raise RuntimeError(f"hyper_parallel {what} on MindSpore runs in PyNative mode only "
+                               "(mindspore.set_context(mode=mindspore.PYNATIVE_MODE)); in graph mode use "
+                               "Cell.recompute().")
+
+    # ------------------------------------------------------------------ ops and policies
+    def op_kind(self, op: Any) -> OpKind:
+        name = op.name
+        kind = self._kinds.get(name)
+        if kind is None:
+            if name in _MACHINERY_OPS:
+                kind = OpKind.MACHINERY
+            elif is_mutating_op(name):
+                kind = OpKind.MUTATING
+            elif is_random_op(name):
+                kind = OpKind.RANDOM
+            else:
+                kind = OpKind.PLAIN
+            self._kinds[name] = kind
+        return kind
+
+    def op_key(self, op: Any) -> Hashable:
+        return op.name
+
+    def written_tensors(self, op: Any, args: Tuple[Any, ...], kwargs: dict) -> List[Tensor]:
+        # MindSpore's in-place primitives (Inplace*, Assign*, Scatter*) write to their first input.
+        return [args[0]] if args and isinstance(args[0], Tensor) else []
+
+    def op_list_entry(self, entry: Any) -> Hashable:
+        if isinstance(entry, str):
+            if not entry:
+                raise ValueError("policy list entries must be non-empty op names such as 'MatMul'.")
+            return entry
+        if (isinstance(entry, type) and issubclass(entry, Primitive)) or isinstance(entry, Primitive):
+            return op_name(entry)
+        raise TypeError(f"policy list entries must be op names such as 'MatMul' (or mindspore.ops "
+                        f"Primitives), got {entry!r} ({type(entry).__name__}).")
+
+    def convert_policy(self, value: Any) -> Optional[CheckpointPolicy]:
+        return None  # MindSpore has no policy enum of its own
+
+    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+        if isinstance(tree, tuple):
+            return tuple(self.tree_map(fn, v) for v in tree)
+        if isinstance(tree, list):
+            return [self.tree_map(fn, v) for v in tree]
+        if isinstance(tree, dict):
+            return {k: self.tree_map(fn, v) for k, v in tree.items()}
+        return fn(tree)
+
+    def tree_leaves(self, tree: Any) -> List[Any]:
+        if isinstance(tree, (tuple, list)):
+            return [leaf for v in tree for leaf in self.tree_leaves(v)]
+        if isinstance(tree, dict):
+            return [leaf for v in tree.values() for leaf in self.tree_leaves(v)]
+        return [tree]
+
+    # ------------------------------------------------------------------ modules and hooks
+    def is_module(self, x: Any) -> bool:
+        return isinstance(x, nn.Cell)
+
+    def module_tensors(self, module: nn.Cell) -> Iterator[Tensor]:
+        for p in module.get_parameters():
+            try:
+                p.untyped_storage().data_ptr()
+            except Exception:  # not materialised yet (lazy init): nothing can save it
+                continue
+            yield p
+
+    def check_selective_owner(self, module: nn.Cell) -> None:
+        return None
+
+    def register_forward_hooks(self, module: nn.Cell, pre: Callable[..., None],
+                               post: Callable[..., None]) -> List[Any]:
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
+
+    def register_grad_hook(self, t: Tensor, fn: Callable[[Any], None]) -> None:
+        t.register_hook(fn)
+
+
+def pipeline_swap(schedule: Any, prefetch: int = 1, prefix: str = "pp", measure: bool = False) -> Any:
+    """Not available on MindSpore: it adapts ``torch.distributed.pipelining`` schedules."""
+    raise RuntimeError(
+        "pipeline_swap adapts torch.distributed.pipelining schedules; MindSpore has no such schedule "
+        "object in PyNative. Drive hyper_parallel.core.microbatch_schedule.MicrobatchSwapSchedule by hand "
+        "(forward_start/forward_end/backward_start/backward_end per microbatch, step_end per step), or "
+        "use SwapManager's atomic API.")

@@ -1,0 +1,82 @@
+"""The only place that touches private PyTorch internals. Each helper says why it is needed."""
+
+from __future__ import annotations
+
+import torch
+
+from typing import Any, List
+
+try:
+    from torch.distributed.fsdp import FSDPModule as _FSDPModule
+except ImportError:  # a build without torch.distributed
+    _FSDPModule = None
+
+__all__ = ["storage_key", "version", "storage_use_count", "in_backward", "detach_keeping_version", "pipeline_stages",
+           "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class"]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage ``t`` views (its ``StorageImpl``), stable while the storage lives;
+    ``data_ptr`` would confuse two storages that reuse one address, and views with offsets."""
+    return t.untyped_storage()._cdata
+
+
+def version(t: torch.Tensor) -> int:
+    """The version counter autograd uses to detect in-place changes of saved tensors."""
+    return t._version
+
+
+def storage_use_count(storage: "torch.UntypedStorage") -> int:
+    """References to the storage's ``StorageImpl`` (one per tensor viewing it, plus one for the
+    live Python storage object passed in). Public torch has no way to ask whether another tensor
+    still shares a storage; we need it to skip offloading storages somebody else holds."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread. Forward hooks that fire
+    then belong to a checkpoint recomputation and must not drive the swap schedule."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def detach_keeping_version(x: torch.Tensor) -> torch.Tensor:
+    """``x.detach()`` from inside a ``TorchDispatchMode`` (below autograd), re-enabling the
+    ADInplaceOrView key so the alias shares ``x``'s version counter: that is how an in-place
+    change of a cached op output is detected later."""
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return x.detach()
+
+
+def pipeline_stages(schedule: Any) -> List[Any]:
+    """The stages a ``torch.distributed.pipelining`` schedule runs on this process: single-stage
+    schedules keep one in ``_stage``, multi-stage ones a list in ``_stages`` (no public accessor)."""
+    stages = getattr(schedule, "_stages", None)
+    if stages is None:
+        stage = getattr(schedule, "_stage", None)
+        stages = [stage] if stage is not None else None
+    if not stages:
+        raise TypeError(
+            f"pipeline_swap expects a torch.distributed.pipelining schedule (ScheduleGPipe, "
+            f"Schedule1F1B, ...) built on its PipelineStage(s), got {type(schedule).__name__}.")
+    return list(stages)
+
+
+def drop_pipeline_losses(schedule: Any) -> None:
+    """Forget the per-microbatch losses an aborted step left in a pipelining schedule: PyTorch
+    appends them to ``_internal_losses`` and clears it only after a successful step."""
+    losses = getattr(schedule, "_internal_losses", None)
+    if isinstance(losses, list):
+        losses.clear()
+
+
+def profiler_enabled() -> bool:
+    """Whether a ``torch.profiler`` / autograd profiler is recording on this thread. Opening a
+    ``record_function`` range costs microseconds even when nobody records; the swap engine opens
+    its named ranges only while this is true."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def fsdp_module_class() -> Any:
+    """``FSDPModule`` (the class ``fully_shard`` mixes into a module), or ``None`` on a build
+    without ``torch.distributed``."""
+    return _FSDPModule

@@ -1,0 +1,324 @@
+"""``TorchBackend``: the primitives of :class:`hyper_parallel.core.backend.Backend` on PyTorch.
+
+Copies run on an accelerator's copy stream, ordered by events; streams and events come from the
+device module (``torch.cuda``, ``torch.npu``, ``torch.xpu``...) so their types always match. On a
+CPU-only build every stream operation is a no-op and copies are synchronous, so the same state
+machine runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.utils.checkpoint as torch_ckpt
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from hyper_parallel.core.backend import Backend, OpKind
+from hyper_parallel.core.keep_reason import KeepReason
+from hyper_parallel.core.policy import CheckpointPolicy
+from hyper_parallel.core.region_state import RegionMarker
+
+from . import _shim
+
+__all__ = ["TorchBackend", "ViewMeta"]
+
+
+class ViewMeta(NamedTuple):
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+_TORCH_POLICY = torch_ckpt.CheckpointPolicy
+_FROM_TORCH = {
+    _TORCH_POLICY.MUST_SAVE: CheckpointPolicy.MUST_SAVE,
+    _TORCH_POLICY.PREFER_SAVE: CheckpointPolicy.PREFER_SAVE,
+    _TORCH_POLICY.MUST_RECOMPUTE: CheckpointPolicy.MUST_RECOMPUTE,
+    _TORCH_POLICY.PREFER_RECOMPUTE: CheckpointPolicy.PREFER_RECOMPUTE,
+    # PyTorch eager treats CPU_OFFLOAD as recompute; here it really offloads.
+    _TORCH_POLICY.MUST_CPU_OFFLOAD: CheckpointPolicy.MUST_SWAP,
+    _TORCH_POLICY.PREFER_CPU_OFFLOAD: CheckpointPolicy.MUST_SWAP,
+}
+
+# Issued by torch.utils.checkpoint itself, a different number of times in forward and recompute.
+_MACHINERY = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
+
+
+class _RegionMode(TorchDispatchMode):
+    """Dispatch mode of one selective region; marks (on this thread) that the region's forward,
+    or its recomputation, is running."""
+
+    recompute = False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, region: Any) -> None:
+        super().__init__()
+        self._op = region.recompute_op if self.recompute else region.forward_op
+        self._marker = RegionMarker(recompute=self.recompute)
+
+    def __enter__(self) -> "_RegionMode":
+        self._marker.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._marker.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        return self._op(func, args, kwargs or {})
+
+
+class _RecomputeMode(_RegionMode):
+    recompute = True
+
+    def __init__(self, region: Any) -> None:
+        super().__init__(region)
+        self._region = region
+
+    def __enter__(self) -> "_RecomputeMode":
+        self._region.log.start_replay()  # each recomputation replays the region from its first op
+        return super().__enter__()
+
+
+def _marker_contexts() -> Tuple[RegionMarker, RegionMarker]:
+    return RegionMarker(recompute=False), RegionMarker(recompute=True)
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    module_method = "forward"
+    module_type = "nn.Module"
+    # Keyword arguments of torch.utils.checkpoint.checkpoint that pass through.
+    checkpoint_options = ("preserve_rng_state", "determinism_check", "debug", "early_stop")
+    rng_replayable = True  # torch.utils.checkpoint restores the RNG state for recomputation
+    op_list_entries = "OpOverloads"
+
+    def __init__(self) -> None:
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        self.accelerator: Optional[torch.device] = acc
+        self._dm = torch.get_device_module(acc.type) if acc is not None else None
+        self._written: Dict[Any, Tuple[Tuple[int, str], ...]] = {}
+
+    # ------------------------------------------------------------------ tensors
+    def is_tensor(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def storage_id(self, t: torch.Tensor) -> int:
+        return _shim.storage_key(t)
+
+    def storage_nbytes(self, t: torch.Tensor) -> int:
+        return t.untyped_storage().nbytes()
+
+    def storage_other_holders(self, aliases: Sequence[torch.Tensor]) -> int:
+        storage = aliases[0].untyped_storage()
+        # use count = tensors viewing the storage + 1 for the `storage` object held here.
+        return _shim.storage_use_count(storage) - 1 - len(aliases)
+
+    def version(self, t: torch.Tensor) -> int:
+        return _shim.version(t)
+
+    def view_meta(self, t: torch.Tensor) -> ViewMeta:
+        return ViewMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device)
+
+    def alias(self, t: torch.Tensor) -> torch.Tensor:
+        return _shim.detach_keeping_version(t)
+
+    def hand_back(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def unswappable_reason(self, t: torch.Tensor) -> Optional[KeepReason]:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout is not torch.strided:
+            return KeepReason.UNSUPPORTED_TENSOR
+        if t.device.type == "meta" or t.is_conj() or t.is_neg():
+            # conj/neg views carry a lazy bit that a view rebuilt from raw bytes would lose
+            return KeepReason.UNSUPPORTED_TENSOR
+        if self.accelerator is not None and t.device.type != self.accelerator.type:
+            return KeepReason.ON_HOST
+        if t.untyped_storage().nbytes() == 0:
+            return KeepReason.EMPTY
+        return None
+
+    def requires_grad(self, t: torch.Tensor) -> bool:
+        return t.requires_grad
+
+    def is_grad_leaf(self, t: torch.Tensor) -> bool:
+        base = t._base if t._base is not None else t
+        return base.is_leaf and base.requires_grad
+
+    # ------------------------------------------------------------------ byte views, allocation, copies
+    # Autograd never sees these ops: their inputs are detached aliases and byte tensors that do
+    # not require grad, so no grad-mode context is needed around them.
+    def byte_view(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+    def rebuild_view(self, flat: torch.Tensor, meta: ViewMeta) -> torch.Tensor:
+        return torch.empty(0, dtype=meta.dtype, device=flat.device).set_(
+            flat.untyped_storage(), meta.offset, meta.size, meta.stride)
+
+    def empty_device_bytes(self, nbytes: int, like: ViewMeta) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+
+    def empty_host_bytes(self, nbytes: int) -> torch.Tensor:
+        # Pinned memory makes D2H/H2D truly asynchronous; a CPU-only build has none.
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.accelerator is not None)
+
+    def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def mark_used_by(self, t: torch.Tensor, stream: Any) -> None:
+        if stream is not None and t.device.type != "cpu":
+            t.record_stream(stream)
+
+    # ------------------------------------------------------------------ streams and events
+    def current_stream(self) -> Any:
+        return self._dm.current_stream() if self._dm is not None else None
+
+    def new_copy_stream(self) -> Any:
+        return self._dm.Stream() if self._dm is not None else None
+
+    def stream_context(self, stream: Any) -> Any:
+        if stream is None or self._dm is None:
+            return contextlib.nullcontext()
+        return self._dm.stream(stream)
+
+    def trace_range(self, name: str) -> Any:
+        # A record_function range costs a few microseconds even when nobody records: only open
+        # one while a profiler is running.
+        if _shim.profiler_enabled():
+            return torch.profiler.record_function(name)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ random numbers
+    def rng_state(self, args: Sequence[Any]) -> Any:
+        devices = {t.device for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
+        state: List[Tuple[Optional[torch.device], torch.Tensor]] = [(None, torch.get_rng_state())]
+        for device in devices:
+            module = torch.get_device_module(device.type)
+            state.append((device, module.get_rng_state(device)))
+        return state
+
+    def rng_equal(self, a: Any, b: Any) -> bool:
+        return len(a) == len(b) and all(da == db and torch.equal(sa, sb) for (da, sa), (db, sb) in zip(a, b))
+
+    def set_rng_state(self, state: Any) -> None:
+        for device, value in state:
+            if device is None:
+                torch.set_rng_state(value)
+            else:
+                torch.get_device_module(device.type).set_rng_state(value, device)
+
+    # ------------------------------------------------------------------ autograd
+    def grad_recording(self) -> bool:
+        return torch.is_grad_enabled()
+
+    def in_backward(self) -> bool:
+        return _shim.in_backward()
+
+    def saved_tensors_hooks(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def dispatch_modes(self, region: Any) -> Tuple[TorchDispatchMode, TorchDispatchMode]:
+        return _RegionMode(region), _RecomputeMode(region)
+
+    def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
+                       region: Any, options: dict) -> Any:
+        if region is not None:
+            context_fn: Callable[[], Any] = lambda: self.dispatch_modes(region)  # noqa: E731
+        elif options.get("debug"):
+            context_fn = torch_ckpt.noop_context_fn  # debug mode insists on the default contexts
+        else:
+            context_fn = _marker_contexts
+        return torch_ckpt.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn,
+                                     **options, **kwargs)
+
+    def check_checkpoint_options(self, options: dict, selective: bool) -> None:
+        if options.get("debug") and selective:
+            raise ValueError("checkpoint: debug=True cannot be combined with policy_fn (PyTorch's debug "
+                             "mode only works with its default context_fn); drop one of them.")
+
+    def check_ready(self, what: str) -> None:
+        return None  # eager PyTorch has no mode the library cannot run in
+
+    # ------------------------------------------------------------------ ops and policies
+    def op_kind(self, op: Any) -> OpKind:
+        if op in _MACHINERY:
+            return OpKind.MACHINERY
+        schema = getattr(op, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return OpKind.MUTATING
+        if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+            return OpKind.RANDOM
+        return OpKind.PLAIN
+
+    def op_key(self, op: Any) -> Hashable:
+        return op
+
+    def written_tensors(self, op: Any, args: Tuple[Any, ...], kwargs: dict) -> List[torch.Tensor]:
+        spec = self._written.get(op)
+        if spec is None:
+            schema = getattr(op, "_schema", None)
+            spec = tuple((i, a.name) for i, a in enumerate(schema.arguments if schema is not None else ())
+                         if a.alias_info is not None and a.alias_info.is_write)
+            self._written[op] = spec
+        out = []
+        for i, name in spec:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            out.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+        return out
+
+    def op_list_entry(self, entry: Any) -> Hashable:
+        if isinstance(entry, torch._ops.OpOverloadPacket):
+            raise ValueError(
+                f"policy list entry {entry} is an OpOverloadPacket; name one overload, e.g. "
+                f"torch.ops.aten.mm.default instead of torch.ops.aten.mm.")
+        if not isinstance(entry, torch._ops.OpOverload):
+            raise TypeError(f"policy list entries must be torch OpOverloads such as "
+                            f"torch.ops.aten.mm.default, got {entry!r} ({type(entry).__name__}).")
+        return entry
+
+    def convert_policy(self, value: Any) -> Optional[CheckpointPolicy]:
+        return _FROM_TORCH.get(value) if isinstance(value, _TORCH_POLICY) else None
+
+    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+        return tree_map(fn, tree)
+
+    def tree_leaves(self, tree: Any) -> List[Any]:
+        return tree_leaves(tree)
+
+    # ------------------------------------------------------------------ modules and hooks
+    def is_module(self, x: Any) -> bool:
+        return isinstance(x, torch.nn.Module)
+
+    def module_tensors(self, module: torch.nn.Module) -> Iterator[torch.Tensor]:
+        yield from module.parameters()
+        yield from module.buffers()
+
+    def check_selective_owner(self, module: torch.nn.Module) -> None:
+        # FSDP2 units inside a selective region run their all-gather/reshard hooks differently in
+        # forward and in recompute, which a selective policy cannot replay: say so plainly.
+        fsdp = _shim.fsdp_module_class()
+        if fsdp is None:
+            return
+        for name, sub in module.named_modules():
+            if name and isinstance(sub, fsdp):
+                raise ValueError(
+                    f"checkpoint_wrapper with a policy_fn around a module that contains fully_shard units "
+                    f"({name!r}) is not supported: wrap each layer with checkpoint_wrapper/swap_wrapper "
+                    "first, then apply fully_shard to the layers and the root.")
+
+    def register_forward_hooks(self, module: torch.nn.Module, pre: Callable[..., None],
+                               post: Callable[..., None]) -> List[Any]:
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
+
+    def register_grad_hook(self, t: torch.Tensor, fn: Callable[[Any], None]) -> None:
+        t.register_hook(fn)

@@ -1,0 +1,358 @@
+"""The backend contract: every primitive the engine asks of a framework, and nothing else.
+
+The engine (everything under ``hyper_parallel.core``) is framework-neutral: it never imports
+torch or MindSpore. It reaches the framework only through an object implementing
+:class:`Backend`. A backend (``hyper_parallel.backends.torch.TorchBackend``,
+``hyper_parallel.backends.mindspore.MindSporeBackend``) implements these primitives and nothing
+that is the same algorithm on both frameworks.
+
+Which backend is active is decided once, by the public API module
+:mod:`hyper_parallel.core.activation_checkpoint` (``HYPER_PARALLEL_PLATFORM``), which calls
+:func:`set_backend`; the engine's entry points then ask :func:`active_backend`.
+
+Values the engine treats as opaque: ``Tensor`` (the framework's tensor), ``Stream``, ``Event``
+(``None`` everywhere means "no streams": a CPU build, where copies are synchronous and there is
+nothing to order), ``ViewMeta`` (what :meth:`Backend.rebuild_view` needs), ``Op`` (what a dispatch
+mode receives as the op), ``Module`` (``nn.Module`` / ``nn.Cell``).
+
+Adding a backend: subclass :class:`Backend`, implement every method (each docstring says what
+it must guarantee), and select it in ``hyper_parallel/core/activation_checkpoint/__init__.py``.
+``docs/architecture.md`` walks through it.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import enum
+from typing import Any, Callable, ContextManager, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+from .keep_reason import KeepReason
+
+__all__ = ["Backend", "OpKind", "set_backend", "active_backend", "use_backend"]
+
+Tensor = Any
+Stream = Any
+Event = Any
+ViewMeta = Any
+Op = Any
+Module = Any
+
+
+class OpKind(enum.Enum):
+    """How a selective region treats an op, before any policy is asked."""
+
+    PLAIN = "plain"          # the policy decides
+    MACHINERY = "machinery"  # issued by the checkpoint implementation itself: always re-run, never logged
+    MUTATING = "mutating"    # writes to an argument: always re-run (replaying its output cannot replay the write)
+    RANDOM = "random"        # draws random numbers: see Backend.rng_replayable
+
+
+class Backend(abc.ABC):
+    """Primitives of one framework. Subclasses implement every method."""
+
+    #: ``"torch"`` / ``"mindspore"``.
+    name: str = "abstract"
+    #: What modules are called in this framework, for error messages (``"nn.Module"``).
+    module_type: str = "module"
+    #: Name of the method a module runs on call (``"forward"`` / ``"construct"``).
+    module_method: str = "forward"
+    #: Keyword arguments of ``checkpoint`` that configure the framework's checkpoint rather than
+    #: go to the function.
+    checkpoint_options: Tuple[str, ...] = ()
+    #: Whether the framework restores the RNG state for a recomputation, so that random ops may
+    #: run again and draw the same numbers. When False, random ops are always kept (SAVE).
+    rng_replayable: bool = True
+    #: What a list policy holds, for error messages ("OpOverloads", "op names").
+    op_list_entries: str = "ops"
+
+    # ------------------------------------------------------------------ tensors: identity, layout
+    @abc.abstractmethod
+    def is_tensor(self, x: Any) -> bool:
+        """True for a tensor of this framework."""
+        ...
+
+    @abc.abstractmethod
+    def storage_id(self, t: Tensor) -> int:
+        """Identity of the storage ``t`` views; equal for all views of one storage and stable while
+        any of them is alive."""
+        ...
+
+    @abc.abstractmethod
+    def storage_nbytes(self, t: Tensor) -> int:
+        """Bytes of the whole storage ``t`` views (what an offload copies)."""
+        ...
+
+    @abc.abstractmethod
+    def storage_other_holders(self, aliases: Sequence[Tensor]) -> int:
+        """How many tensors other than ``aliases`` still view their (common) storage; 0 when the
+        framework cannot tell (then every candidate is copied, which stays safe)."""
+        ...
+
+    @abc.abstractmethod
+    def version(self, t: Tensor) -> int:
+        """The version counter bumped by every in-place change of ``t``'s data (shared by aliases)."""
+        ...
+
+    @abc.abstractmethod
+    def view_meta(self, t: Tensor) -> ViewMeta:
+        """Everything :meth:`rebuild_view` needs to rebuild ``t`` over a copy of its storage:
+        size, stride, storage offset, dtype, device."""
+        ...
+
+    @abc.abstractmethod
+    def alias(self, t: Tensor) -> Tensor:
+        """A view of ``t`` with the same layout, no autograd history, sharing ``t``'s version
+        counter; callable from inside a dispatch mode and from a saved-tensor hook."""
+        ...
+
+    @abc.abstractmethod
+    def hand_back(self, t: Tensor) -> Tensor:
+        """The tensor a recomputation returns for a kept op output ``t`` (``t`` itself where
+        autograd allows it; a fresh alias where autograd attaches its node to the object)."""
+        ...
+
+    @abc.abstractmethod
+    def unswappable_reason(self, t: Tensor) -> Optional[KeepReason]:
+        """Why ``t`` cannot be swapped (``None`` if it can): a tensor type the byte copy cannot
+        rebuild, a tensor already in host memory, an empty storage."""
+        ...
+
+    @abc.abstractmethod
+    def requires_grad(self, t: Tensor) -> bool:
+        """Whether ``t`` requires grad (its gradient is computed in backward)."""
+        ...
+
+    @abc.abstractmethod
+    def is_grad_leaf(self, t: Tensor) -> bool:
+        """Whether ``t`` (or the tensor it is a view of) is a leaf that requires grad: a parameter
+        or an input being differentiated, held outside any region."""
+        ...
+
+    # ------------------------------------------------------------------ byte views, allocation, copies
+    @abc.abstractmethod
+    def byte_view(self, t: Tensor) -> Tensor:
+        """A flat uint8 tensor over the whole storage of ``t`` (what is copied)."""
+        ...
+
+    @abc.abstractmethod
+    def rebuild_view(self, flat: Tensor, meta: ViewMeta) -> Tensor:
+        """A tensor with ``meta``'s layout over the storage of the byte tensor ``flat``."""
+        ...
+
+    @abc.abstractmethod
+    def empty_device_bytes(self, nbytes: int, like: ViewMeta) -> Tensor:
+        """``nbytes`` uninitialised bytes on the device of ``like``, allocated for the current
+        (compute) stream."""
+        ...
+
+    @abc.abstractmethod
+    def empty_host_bytes(self, nbytes: int) -> Tensor:
+        """``nbytes`` host bytes, page-locked where the framework offers it (asynchronous copies)."""
+        ...
+
+    @abc.abstractmethod
+    def copy_bytes(self, dst: Tensor, src: Tensor) -> None:
+        """Copy ``src`` into ``dst`` (same byte count) on the current stream, asynchronously where
+        possible; invisible to autograd and to user dispatch modes."""
+        ...
+
+    @abc.abstractmethod
+    def mark_used_by(self, t: Tensor, stream: Stream) -> None:
+        """Tell the allocator that ``stream`` uses ``t``: its memory must not be reused before the
+        work queued on ``stream`` so far has finished (no-op without streams)."""
+        ...
+
+    # ------------------------------------------------------------------ streams and events
+    @abc.abstractmethod
+    def current_stream(self) -> Stream:
+        """The stream compute runs on now (``None`` without streams)."""
+        ...
+
+    @abc.abstractmethod
+    def new_copy_stream(self) -> Stream:
+        """A new stream for copies (``None`` without streams)."""
+        ...
+
+    @abc.abstractmethod
+    def stream_context(self, stream: Stream) -> ContextManager[Any]:
+        """Make ``stream`` current inside the ``with`` block."""
+        ...
+
+    def record_event(self, stream: Stream) -> Event:
+        """An event marking the work queued on ``stream`` so far (``None`` without streams).
+        The default uses the stream protocol torch and MindSpore share (``stream.record_event()``)."""
+        return stream.record_event() if stream is not None else None
+
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        """Work queued on ``stream`` from now on starts after ``event`` (no-op if either is None).
+        The default uses the shared stream protocol (``stream.wait_event(event)``)."""
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+    @abc.abstractmethod
+    def trace_range(self, name: str) -> ContextManager[Any]:
+        """A named range in the framework's profiler trace; costs nothing unless a profiler records."""
+        ...
+
+    # ------------------------------------------------------------------ random numbers
+    @abc.abstractmethod
+    def rng_state(self, args: Sequence[Any]) -> Any:
+        """A snapshot of the generators an op on ``args`` may draw from."""
+        ...
+
+    @abc.abstractmethod
+    def rng_equal(self, a: Any, b: Any) -> bool:
+        """Whether two :meth:`rng_state` snapshots are equal (the op drew nothing)."""
+        ...
+
+    @abc.abstractmethod
+    def set_rng_state(self, state: Any) -> None:
+        """Restore a :meth:`rng_state` snapshot."""
+        ...
+
+    # ------------------------------------------------------------------ autograd
+    @abc.abstractmethod
+    def grad_recording(self) -> bool:
+        """Whether ops run now are recorded for a backward (only then is anything saved)."""
+        ...
+
+    @abc.abstractmethod
+    def in_backward(self) -> bool:
+        """Whether the autograd engine runs a backward on this thread (a forward hook that fires
+        then belongs to a recomputation)."""
+        ...
+
+    @abc.abstractmethod
+    def saved_tensors_hooks(self, pack: Callable[[Tensor], Any],
+                            unpack: Callable[[Any], Tensor]) -> ContextManager[Any]:
+        """Autograd's saved-tensor hooks: ``pack`` on every tensor saved inside, ``unpack`` when
+        backward needs it."""
+        ...
+
+    @abc.abstractmethod
+    def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
+                       region: Any, options: dict) -> Any:
+        """Run ``function`` under the framework's non-reentrant checkpoint. With a
+        ``SelectiveRegion``, the forward runs under a dispatch mode that calls
+        ``region.forward_op`` for every op and the recomputation under one that calls
+        ``region.recompute_op``; both modes enter ``region_state.RegionMarker``. Without a region,
+        only the markers. ``options`` are the accepted :attr:`checkpoint_options`."""
+        ...
+
+    @abc.abstractmethod
+    def dispatch_modes(self, region: Any) -> Tuple[Any, Any]:
+        """The ``(forward, recompute)`` pair of the framework's dispatch modes for a
+        ``SelectiveRegion``: they call ``region.forward_op(op, args, kwargs)`` /
+        ``region.recompute_op(op, args, kwargs)`` for every op and enter
+        ``region_state.RegionMarker`` while active."""
+        ...
+
+    @abc.abstractmethod
+    def check_checkpoint_options(self, options: dict, selective: bool) -> None:
+        """Raise a clear error for an option combination the framework's checkpoint refuses."""
+        ...
+
+    @abc.abstractmethod
+    def check_ready(self, what: str) -> None:
+        """Raise a clear error if the framework is in a mode the library cannot run in."""
+        ...
+
+    # ------------------------------------------------------------------ ops and policies
+    @abc.abstractmethod
+    def op_kind(self, op: Op) -> OpKind:
+        """How a selective region must treat ``op`` before asking any policy (cached by the caller)."""
+        ...
+
+    @abc.abstractmethod
+    def op_key(self, op: Op) -> Hashable:
+        """What identifies ``op`` across forward and recompute (and in a list policy)."""
+        ...
+
+    @abc.abstractmethod
+    def written_tensors(self, op: Op, args: Tuple[Any, ...], kwargs: dict) -> List[Tensor]:
+        """The tensor arguments a MUTATING op writes to."""
+        ...
+
+    @abc.abstractmethod
+    def op_list_entry(self, entry: Any) -> Hashable:
+        """The :meth:`op_key` named by one entry of a list policy; a clear error for a bad entry."""
+        ...
+
+    @abc.abstractmethod
+    def convert_policy(self, value: Any) -> Any:
+        """The ``CheckpointPolicy`` meant by a framework-specific policy answer (PyTorch's own
+        enum), or ``None``."""
+        ...
+
+    @abc.abstractmethod
+    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+        """``fn`` applied to every leaf of a nested tuple/list/dict structure."""
+        ...
+
+    @abc.abstractmethod
+    def tree_leaves(self, tree: Any) -> List[Any]:
+        """The leaves of a nested tuple/list/dict structure."""
+        ...
+
+    # ------------------------------------------------------------------ modules and hooks
+    @abc.abstractmethod
+    def is_module(self, x: Any) -> bool:
+        """True for an ``nn.Module`` / ``nn.Cell``."""
+        ...
+
+    @abc.abstractmethod
+    def module_tensors(self, module: Module) -> Iterator[Tensor]:
+        """The parameters and buffers of ``module`` and its sub-modules."""
+        ...
+
+    @abc.abstractmethod
+    def check_selective_owner(self, module: Module) -> None:
+        """Raise a clear error if a selective region cannot host ``module`` (e.g. sharded units)."""
+        ...
+
+    @abc.abstractmethod
+    def register_forward_hooks(self, module: Module, pre: Callable[[Module, Any], None],
+                               post: Callable[[Module, Any, Any], None]) -> List[Any]:
+        """Call ``pre(module, args)`` before and ``post(module, args, output)`` after every call of
+        ``module`` (``post`` also when the call raised); returns removable handles."""
+        ...
+
+    @abc.abstractmethod
+    def register_grad_hook(self, t: Tensor, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(grad)`` when the gradient of ``t`` is computed in backward."""
+        ...
+
+
+
+# ---------------------------------------------------------------------- the active backend
+_ACTIVE: Optional[Backend] = None
+
+
+def set_backend(backend: Backend) -> None:
+    """Make ``backend`` the one the engine uses (the public API module does this at import)."""
+    global _ACTIVE
+    if not isinstance(backend, Backend):
+        raise TypeError(f"set_backend expects a hyper_parallel Backend, got {type(backend).__name__}")
+    _ACTIVE = backend
+
+
+def active_backend() -> Backend:
+    """The backend set by :func:`set_backend`."""
+    if _ACTIVE is None:
+        raise RuntimeError("no hyper_parallel backend is active: import "
+                           "hyper_parallel.core.activation_checkpoint (it selects one) before using the engine.")
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def use_backend(backend: Backend) -> Iterator[Backend]:
+    """Run the block with ``backend`` active (e.g. the simulated asynchronous device of
+    ``hyper_parallel.testing``); the previous backend is restored afterwards."""
+    global _ACTIVE
+    previous = _ACTIVE
+    set_backend(backend)
+    try:
+        yield backend
+    finally:
+        _ACTIVE = previous

@@ -1,0 +1,105 @@
+"""A pool of host buffers, reused by exact size.
+
+Allocating page-locked memory is slow and synchronising (milliseconds per call on CUDA), so a
+swap system that allocates per step serialises everything. Transformer layers save tensors of the
+same few sizes every step, so an exact-size free list reaches a steady state after one step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from typing import Any, Callable, DefaultDict, List, Optional, Tuple
+
+from .backend import Backend
+
+__all__ = ["HostBufferPool", "on_host_buffer"]
+
+_listeners: List[Callable[[Any], None]] = []
+_pools: "weakref.WeakSet[HostBufferPool]" = weakref.WeakSet()
+
+
+def on_host_buffer(listener: Callable[[Any], None]) -> None:
+    """Call ``listener(buffer)`` for every host buffer the swap engine holds now and allocates
+    from now on. Tools that must tell the engine's host copies from device memory (the CPU
+    memory meter in :mod:`hyper_parallel.tools.memory`) subscribe here; the engine knows nothing
+    about them.
+
+    Example::
+
+        >>> from hyper_parallel.core.host_pool import on_host_buffer
+        >>> seen = []
+        >>> on_host_buffer(seen.append)
+    """
+    _listeners.append(listener)
+    for pool in list(_pools):
+        for buf in pool.buffers():
+            listener(buf)
+
+
+class HostBufferPool:
+    """Host buffers keyed by byte size, with an optional cap on the bytes reserved.
+
+    ``acquire`` returns ``None`` when a new buffer would exceed ``limit_bytes``; the caller then
+    keeps the tensor on the device.
+    """
+
+    def __init__(self, backend: Backend, limit_bytes: Optional[int] = None) -> None:
+        self._b = backend
+        self._free: DefaultDict[int, List[Tuple[Any, Any]]] = defaultdict(list)
+        self.limit_bytes = limit_bytes
+        self.reserved_bytes = 0  # bytes of all buffers this pool created and still owns
+        self.in_use_bytes = 0
+        self.allocations = 0     # how many buffers were ever created (steady state: constant)
+        self._all: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        _pools.add(self)
+
+    def buffers(self) -> List[Any]:
+        """Every host buffer of this pool still alive (idle or in use)."""
+        return list(self._all.values())
+
+    def acquire(self, nbytes: int, stream: Any) -> Any:
+        free = self._free.get(nbytes)
+        if free:
+            buf, guard = free.pop()
+            # The buffer may still be read by an H2D copy on another stream: order after it.
+            self._b.wait_event(stream, guard)
+        else:
+            if self.limit_bytes is not None and self.reserved_bytes + nbytes > self.limit_bytes:
+                self._evict_idle(self.reserved_bytes + nbytes - self.limit_bytes)
+                if self.reserved_bytes + nbytes > self.limit_bytes:
+                    return None
+            buf = self._b.empty_host_bytes(nbytes)
+            self._all[id(buf)] = buf
+            for listener in _listeners:
+                listener(buf)
+            self.reserved_bytes += nbytes
+            self.allocations += 1
+        self.in_use_bytes += nbytes
+        return buf
+
+    def release(self, buf: Any, nbytes: int, guard: Any) -> None:
+        self.in_use_bytes -= nbytes
+        self._free[nbytes].append((buf, guard))
+
+    def _evict_idle(self, need: int) -> None:
+        """Free idle buffers (largest first) until ``need`` bytes are released or none is idle:
+        under a cap, a new tensor size (another sequence length) must not be refused while
+        buffers of sizes no longer used sit idle. Freeing is safe: the framework's pinned
+        allocator keeps a buffer until the copies that used it have completed."""
+        for size in sorted(self._free, reverse=True):
+            entries = self._free[size]
+            while entries and need > 0:
+                entries.pop()
+                self.reserved_bytes -= size
+                need -= size
+            if not entries:
+                del self._free[size]
+            if need <= 0:
+                return
+
+    def release_idle(self) -> int:
+        """Free every idle buffer; returns the bytes released."""
+        before = self.reserved_bytes
+        self._evict_idle(before)
+        return before - self.reserved_bytes

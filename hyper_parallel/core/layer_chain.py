@@ -1,0 +1,190 @@
+"""The per-layer offload/prefetch schedule behind ``SwapManager().set_forward_prefetch_layer``.
+
+Forward: when a layer that has a successor finishes, its group's offload is launched; then (for
+every layer, the last one included) the predecessor's offload is waited, which frees the
+predecessor's device memory. Storages that the first launch skipped because somebody else still
+held them (typically the layer's input, still bound to the caller's loop variable) are launched
+again at that point (unless this is the last layer) and waited one layer later. The copy of layer ``i`` therefore overlaps the compute of layer
+``i + 1``, and by the time the last layer is done only it and its predecessor's in-flight copy
+remain (waiting in the last layer too frees one more layer before the loss and the head run). Backward: when a layer's backward starts,
+the predecessor's load is launched (overlapping this layer's backward) and this layer's own load,
+launched one layer earlier, is waited. The last layer is never offloaded; the first never
+prefetches. Module hooks (installed through the backend) drive the three entry points below; they
+do nothing while a checkpointed region is being recomputed.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, List, Optional
+
+from .swap_tensor import TensorState
+
+__all__ = ["LayerChain"]
+
+
+class _Link:
+    __slots__ = ("name", "prev", "next", "saved_group_names", "handles")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.prev: Optional[weakref.ref] = None
+        self.next: Optional[weakref.ref] = None
+        self.saved_group_names: List[Optional[str]] = []
+        self.handles: List[Any] = []
+
+
+class LayerChain:
+    """Layer order and the hooks that drive a :class:`SwapManager` from it."""
+
+    def __init__(self, manager: Any) -> None:
+        self._m = manager
+        self._links: "weakref.WeakKeyDictionary[Any, _Link]" = weakref.WeakKeyDictionary()
+        self._count = 0
+
+    def group_name(self, layer: Any) -> Optional[str]:
+        link = self._links.get(layer)
+        return link.name if link is not None else None
+
+    def _link_of(self, layer: Any) -> _Link:
+        link = self._links.get(layer)
+        if link is None:
+            link = _Link(f"layer_{self._count}")
+            self._count += 1
+            self._m._group(link.name, create=True, persistent=True)
+            link.handles = self._install_hooks(layer)
+            self._links[layer] = link
+        return link
+
+    @staticmethod
+    def _alive(ref: Optional[weakref.ref]) -> Any:
+        return ref() if ref is not None else None
+
+    def link(self, first: Any, second: Any) -> None:
+        # Validate everything before touching any layer: a rejected call changes nothing.
+        for layer in (first, second):
+            if not self._m.backend.is_module(layer):
+                raise TypeError(f"set_forward_prefetch_layer expects {self._m.backend.module_type} layers, "
+                                f"got {type(layer).__name__}")
+        if first is second:
+            raise ValueError("set_forward_prefetch_layer: first and second are the same layer.")
+        a, b = self._links.get(first), self._links.get(second)
+        succ = self._alive(a.next) if a is not None else None
+        if succ is not None and succ is not second:
+            raise ValueError(f"set_forward_prefetch_layer: {type(first).__name__} ({a.name}) already "
+                             f"has a different successor ({self._links[succ].name}).")
+        pred = self._alive(b.prev) if b is not None else None
+        if pred is not None and pred is not first:
+            raise ValueError(f"set_forward_prefetch_layer: {type(second).__name__} ({b.name}) already "
+                             f"has a different predecessor ({self._links[pred].name}).")
+        if succ is second:
+            return  # already declared
+        node = second
+        while node is not None:  # walking forward from `second` must not reach `first`
+            if node is first:
+                raise ValueError("set_forward_prefetch_layer: this pair would close a cycle; the layer "
+                                 "order must be a chain (each layer once, the first has no predecessor).")
+            nxt = self._links.get(node)
+            node = self._alive(nxt.next) if nxt is not None else None
+        a, b = self._link_of(first), self._link_of(second)
+        a.next = weakref.ref(second)
+        b.prev = weakref.ref(first)
+
+    def clear(self) -> None:
+        for link in list(self._links.values()):
+            for handle in link.handles:
+                handle.remove()
+        self._links = weakref.WeakKeyDictionary()
+        self._count = 0
+
+    # ------------------------------------------------------------------ hooks
+    def _install_hooks(self, layer: Any) -> List[Any]:
+        b = self._m.backend
+
+        def pre_hook(module: Any, args: Any) -> None:
+            if not b.in_backward():  # a recomputation re-runs forward: not a new forward
+                self.forward_start(module)
+
+        def post_hook(module: Any, args: Any, output: Any) -> None:
+            if b.in_backward():
+                return
+            # Also called when forward raised, to restore the current group.
+            failed = sys.exc_info()[0] is not None or not b.grad_recording()
+            if self.forward_end(module, failed):
+                self._arm_backward_start(module, output)
+
+        return b.register_forward_hooks(layer, pre_hook, post_hook)
+
+    def _arm_backward_start(self, layer: Any, output: Any) -> None:
+        """Call ``backward_start(layer)`` once, when the gradient of the layer's output is ready,
+        i.e. just before the layer's own backward starts."""
+        b = self._m.backend
+        outs = [t for t in b.tree_leaves(output) if b.is_tensor(t) and b.requires_grad(t)]
+        if not outs:
+            return
+        ref = weakref.ref(layer)
+        fired = [False]
+
+        def on_grad(grad: Any) -> None:
+            module = ref()
+            if not fired[0] and module is not None:
+                fired[0] = True
+                self.backward_start(module)
+
+        for t in outs:
+            b.register_grad_hook(t, on_grad)
+
+    # ------------------------------------------------------------------ hook entry points
+    def forward_start(self, layer: Any) -> None:
+        link = self._links[layer]
+        link.saved_group_names.append(self._m.get_current_group_name())
+        self._m.set_current_group_name(link.name)
+
+    def forward_end(self, layer: Any, failed: bool) -> bool:
+        """Returns whether the backward-start hook should be armed on the outputs."""
+        link = self._links[layer]
+        if not link.saved_group_names:
+            return False  # our pre-hook never ran (an earlier pre-hook raised): nothing to undo
+        self._m.set_current_group_name(link.saved_group_names.pop())
+        if failed:
+            return False
+        has_next = link.next is not None and link.next() is not None
+        if has_next:
+            self._m.launch_offload(link.name)
+        prev = link.prev() if link.prev is not None else None
+        if prev is not None:
+            prev_link = self._links[prev]
+            prev_group = self._m._group(prev_link.name)
+            if prev_group.offload_pending:
+                self._m.wait_offload(prev_group.name)
+            # When the predecessor's offload was launched, the caller still held its input (the
+            # `h` of `for layer in layers: h = layer(h)`), so that storage was skipped. The caller
+            # has moved on by now: offload it too; it is waited when the next layer ends (so not
+            # after the last layer, where nothing would wait for it before backward).
+            if has_next and prev_group.has_retryable():
+                self._m.launch_offload(prev_group.name)
+            before = prev_link.prev() if prev_link.prev is not None else None
+            if before is not None:
+                before_group = self._m._group(self._links[before].name)
+                if before_group.offload_pending:
+                    self._m.wait_offload(before_group.name)
+        return True
+
+    def backward_start(self, layer: Any) -> None:
+        link = self._links.get(layer)
+        if link is None:  # the chain was reset while a graph was alive
+            return
+        prev = link.prev() if link.prev is not None else None
+        if prev is not None:
+            prev_name = self._links[prev].name
+            if self._m._group(prev_name).has_state(TensorState.HOST) or \
+                    self._m._group(prev_name).has_state(TensorState.D2H):
+                self._m.launch_load(prev_name)
+        own = self._m._group(link.name)
+        if not own.load_pending and (own.has_state(TensorState.HOST) or own.has_state(TensorState.D2H)):
+            # Nothing prefetched this layer (it is the first to run backward, or the graph was
+            # entered in the middle): load it now rather than fail.
+            self._m.launch_load(link.name)
+        if own.load_pending:
+            self._m.wait_load(link.name)

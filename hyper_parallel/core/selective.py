@@ -1,0 +1,265 @@
+"""What a selective checkpoint region decided and kept, op call by op call (framework-neutral).
+
+Forward records, for every op call the policy was asked about, the decision and what was kept
+(the op output for SAVE, swap handles for SWAP, nothing for RECOMPUTE). Recomputation replays the
+region from its first op and finds each call's record by ``(op key, n-th call of that op)``. The
+backends' dispatch modes call :meth:`SelectiveRegion.forward_op` and
+:meth:`SelectiveRegion.recompute_op` for every op; everything else happens here, once.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, DefaultDict, Dict, Hashable, List, Optional, Set, Tuple
+
+from .backend import Backend, OpKind
+from .keep_reason import KeepReason
+from .policy import Decision, SelectiveCheckpointContext, normalize_policy
+from .saved import Saved
+from .storage import Storage
+from .swap_tensor import SwapView
+
+__all__ = ["OpLog", "RECOMPUTE", "SelectiveRegion"]
+
+
+class _Marker:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+RECOMPUTE = _Marker("RECOMPUTE")  # nothing kept: the op runs again
+_CONSUMED = _Marker("CONSUMED")   # kept value handed to backward and released
+
+
+class OpLog:
+    """Per op key, the forward calls in order: decision and kept value."""
+
+    def __init__(self) -> None:
+        self._entries: DefaultDict[Hashable, List[Any]] = defaultdict(list)
+        self._decisions: DefaultDict[Hashable, List[Decision]] = defaultdict(list)
+        self._unasked: Set[Tuple[Hashable, int]] = set()  # replayed without asking the policy
+        self._counters: DefaultDict[Hashable, int] = defaultdict(int)
+
+    # ------------------------------------------------------------------ forward
+    def record(self, key: Hashable, decision: Decision, kept: Any, asked: bool = True) -> int:
+        """Record one forward call; ``kept`` is ignored for RECOMPUTE. ``asked=False``: the
+        engine decided without the policy (recompute will not ask it either)."""
+        index = len(self._entries[key])
+        self._decisions[key].append(decision)
+        self._entries[key].append(RECOMPUTE if decision is Decision.RECOMPUTE else kept)
+        if not asked:
+            self._unasked.add((key, index))
+        return index
+
+    def recompute_instead(self, key: Hashable, index: int) -> None:
+        """What was kept for this call is no longer valid (overwritten in place later in the
+        forward): recompute the op instead, without holding the policy to its forward answer."""
+        self._entries[key][index] = RECOMPUTE
+        self._unasked.add((key, index))
+
+    # ------------------------------------------------------------------ recompute
+    def start_replay(self) -> None:
+        """Each recomputation replays the region from its first op."""
+        self._counters.clear()
+
+    def next_call(self, key: Hashable, op_label: Any) -> Tuple[int, Any, bool]:
+        """The record of the next call of ``key`` in this replay: ``(index, kept, ask_policy)``."""
+        index = self._counters[key]
+        self._counters[key] += 1
+        entries = self._entries.get(key)
+        if entries is None or index >= len(entries):
+            raise RuntimeError(
+                f"selective checkpoint: op {op_label} (call #{index}) ran during recomputation but not in "
+                "forward. The region must run the same ops in forward and recompute; check for "
+                "control flow that depends on global state or on tensor values that changed.")
+        kept = entries[index]
+        if kept is _CONSUMED:
+            raise RuntimeError(
+                "selective checkpoint: backward ran a second time through a region whose saved/swapped "
+                "op outputs were released by the first backward. Backward through a selectively "
+                "checkpointed region only once per forward (retain_graph=True cannot reuse them).")
+        return index, kept, (key, index) not in self._unasked
+
+    def check(self, key: Hashable, index: int, decision: Decision, op_label: Any) -> None:
+        """The policy's answer during recomputation must be the one it gave in forward."""
+        forward = self._decisions[key][index]
+        if decision is not forward:
+            raise RuntimeError(
+                f"selective checkpoint: policy_fn chose {forward.value.upper()} for op {op_label} in "
+                f"forward but {decision.value.upper()} while recomputing it; the policy must make the "
+                "same choice in both (ctx.is_recompute tells them apart for logging, not for deciding).")
+
+    def consume(self, key: Hashable, index: int) -> None:
+        """Backward has the kept value: release it (device memory goes as soon as it can)."""
+        self._entries[key][index] = _CONSUMED
+
+
+class SelectiveRegion:
+    """One selective checkpoint call: asks the policy per op in forward, keeps what it says to
+    keep, and hands the kept values back when the region is recomputed.
+
+    ``policy_fn=None`` is whole-region recompute (used where random ops must be kept because the
+    framework cannot replay the RNG: every other op re-runs, no policy is asked).
+    ``storage_factory`` gives the swap ``Storage`` that MUST_SWAP outputs go to (created on first
+    use, so a region that swaps nothing registers nothing).
+
+    Rules that hold whatever the policy says:
+
+    - ops the checkpoint itself issues (``OpKind.MACHINERY``) and ops that write to an argument
+      (``OpKind.MUTATING``) always run again: replaying an output cannot replay a write. A kept
+      output that a later op of the forward overwrites in place is recomputed instead (the write
+      is replayed in the same order);
+    - ops that draw random numbers (``OpKind.RANDOM``) follow the policy where the framework
+      replays the RNG in recompute; when such an op is kept and drew numbers in forward,
+      recompute leaves the generator exactly where the forward left it after the op, so later
+      random ops draw the same numbers. Where the RNG cannot be replayed they are always kept.
+    """
+
+    def __init__(self, backend: Backend, policy_fn: Optional[Callable[..., Any]],
+                 storage_factory: Callable[[], Storage], allow_cache_entry_mutation: bool = False) -> None:
+        self._b = backend
+        self.policy_fn = policy_fn
+        self.allow_mutation = allow_cache_entry_mutation
+        self.log = OpLog()
+        self._storage_factory = storage_factory
+        self._kinds: Dict[Any, OpKind] = {}
+        # storage id -> (op key, index) of kept outputs viewing it: an in-place op on one of them
+        # later in the forward destroys the value that was kept (see ``_forget_mutated``).
+        self._kept_by_storage: DefaultDict[int, List[Tuple[Hashable, int]]] = defaultdict(list)
+        self._rng_after: Dict[Tuple[Hashable, int], Any] = {}
+        # One context object per direction, updated per op (the policy sees the current op's).
+        self._ctx_forward = SelectiveCheckpointContext(is_recompute=False)
+        self._ctx_recompute = SelectiveCheckpointContext(is_recompute=True)
+        self.policy_error: Optional[BaseException] = None
+
+    # ------------------------------------------------------------------ dispatch entry points
+    def forward_op(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Run one op of the region's forward and keep its output if the policy says so."""
+        kind = self._kind(func)
+        if kind is OpKind.MACHINERY:
+            return _run(func, args, kwargs)
+        if kind is OpKind.MUTATING:
+            out = _run(func, args, kwargs)
+            self._forget_mutated(func, args, kwargs)
+            return out
+        b = self._b
+        key = b.op_key(func)
+        if kind is OpKind.RANDOM:
+            if not b.rng_replayable:
+                out = _run(func, args, kwargs)
+                self._keep(key, Decision.SAVE, out, asked=False)
+                return out
+            before = b.rng_state(args)
+            out = _run(func, args, kwargs)
+            after = b.rng_state(args)
+            decision = self._ask(self._ctx_forward, func, key, args, kwargs, out)
+            index = self._keep(key, decision, out)
+            if decision is not Decision.RECOMPUTE and not b.rng_equal(before, after):
+                self._rng_after[(key, index)] = after
+            return out
+        out = _run(func, args, kwargs)
+        self._keep(key, self._ask(self._ctx_forward, func, key, args, kwargs, out), out)
+        return out
+
+    def recompute_op(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Run one op of the region's recomputation: re-run it, or hand back what forward kept."""
+        kind = self._kind(func)
+        if kind is OpKind.MACHINERY or kind is OpKind.MUTATING:
+            return _run(func, args, kwargs)
+        key = self._b.op_key(func)
+        index, kept, ask = self.log.next_call(key, key)
+        if ask:
+            self.log.check(key, index, self._ask(self._ctx_recompute, func, key, args, kwargs), key)
+        if kept is RECOMPUTE:
+            return _run(func, args, kwargs)
+        value = self._b.tree_map(self._take, kept)  # may raise (not loaded): the record then stays usable
+        rng = self._rng_after.pop((key, index), None)
+        if rng is not None:
+            self._b.set_rng_state(rng)
+        self.log.consume(key, index)  # backward has it: device memory goes as soon as it can
+        return value
+
+    # ------------------------------------------------------------------ policy
+    def _kind(self, func: Any) -> OpKind:
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = self._b.op_kind(func)
+        return kind
+
+    def _ask(self, ctx: SelectiveCheckpointContext, func: Any, key: Hashable, args: Tuple[Any, ...],
+             kwargs: Dict[str, Any], out: Any = None) -> Decision:
+        if self.policy_fn is None:
+            return Decision.RECOMPUTE
+        ctx.op_output = out
+        try:
+            answer = self.policy_fn(ctx, func, *args, **kwargs)
+            return normalize_policy(answer, key, self._b.convert_policy).decision
+        except Exception as err:
+            # The region's caller re-raises this one: an operator such as `a @ b` would otherwise
+            # replace a TypeError by its own "unsupported operand" message.
+            if hasattr(err, "add_note"):
+                err.add_note(f"(raised by policy_fn for op {key} while "
+                             f"{'recomputing' if ctx.is_recompute else 'running the forward of'} a "
+                             "selectively checkpointed region)")
+            self.policy_error = err
+            raise
+        finally:
+            ctx.op_output = None
+
+    # ------------------------------------------------------------------ keeping
+    def _keep(self, key: Hashable, decision: Decision, out: Any, asked: bool = True) -> int:
+        if decision is Decision.RECOMPUTE:
+            return self.log.record(key, decision, None, asked)
+        b = self._b
+        index = self.log.record(key, decision,
+                                b.tree_map(self._save if decision is Decision.SAVE else self._swap, out), asked)
+        if not self.allow_mutation:
+            for t in b.tree_leaves(out):
+                if b.is_tensor(t):
+                    self._kept_by_storage[b.storage_id(t)].append((key, index))
+        return index
+
+    def _forget_mutated(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """An op that writes to its arguments ran in forward. A kept output it overwrote no longer
+        holds the value backward needs (e.g. CPU dropout fills an ``empty_like`` output with
+        ``bernoulli_``; ``ReLU(inplace=True)`` overwrites a saved matmul): that op is recomputed
+        instead, which replays the same writes in the same order."""
+        if not self._kept_by_storage:
+            return
+        b = self._b
+        for t in b.written_tensors(func, args, kwargs):
+            for key, index in self._kept_by_storage.pop(b.storage_id(t), ()):
+                self.log.recompute_instead(key, index)
+                self._rng_after.pop((key, index), None)
+
+    def _save(self, x: Any) -> Any:
+        b = self._b
+        if b.is_tensor(x):
+            return Saved(b.alias(x), b.version, check=not self.allow_mutation)
+        return x
+
+    def _swap(self, x: Any) -> Any:
+        b = self._b
+        if not b.is_tensor(x):
+            return x
+        alias = b.alias(x)
+        reason = b.unswappable_reason(alias)
+        if reason is not None:
+            storage = self._storage_factory()
+            storage.add_save(0 if reason is KeepReason.UNSUPPORTED_TENSOR else b.storage_nbytes(alias), reason)
+            return Saved(alias, b.version, check=not self.allow_mutation)
+        return self._storage_factory().add_swap(alias)
+
+    def _take(self, x: Any) -> Any:
+        if isinstance(x, (Saved, SwapView)):
+            return self._b.hand_back(x.get_val())
+        return x
+
+
+def _run(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    return func(*args, **kwargs) if kwargs else func(*args)

@@ -1,0 +1,60 @@
+"""Everything one region saved in one forward."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List
+
+from .backend import Backend
+from .keep_reason import KeepReason
+
+from .swap_tensor import SwapTensor, SwapView, TensorState
+
+__all__ = ["Storage"]
+
+
+class Storage:
+    """The tensors one region (a wrapped module or function call) saved in one forward.
+
+    SWAP entries are :class:`SwapTensor` s, deduplicated by device storage so that aliases are
+    copied once and reload as aliases. SAVE entries stay wherever autograd (or the selective
+    checkpoint cache) keeps them; the storage only counts their bytes, for ``stats()``.
+
+    A ``Storage`` is referenced by the handles that autograd keeps for the region; its group holds
+    it weakly, so it disappears with the region's autograd graph.
+    """
+
+    def __init__(self, backend: Backend, pool: Any, group_name: str, stats: Any) -> None:
+        self._b = backend
+        self._pool = pool
+        self.group_name = group_name
+        self._stats = stats
+        # Lookup for deduplication: only a storage still on the device can take more aliases.
+        # A key may be reused by a new storage once the old one was offloaded (its memory freed),
+        # so every SwapTensor ever created is also kept in ``swap_storage`` for the group to move.
+        self._on_device: Dict[int, SwapTensor] = {}
+        self.swap_storage: List[SwapTensor] = []
+        self.save_bytes = 0
+
+    def add_swap(self, tensor: Any) -> SwapView:
+        """Register a tensor to be swapped; returns the handle to read it back with."""
+        key = self._b.storage_id(tensor)
+        st = self._on_device.get(key)
+        if st is not None and st.state is TensorState.DEVICE and st.kept_reason is None \
+                and st.holds_aliases:
+            return SwapView(st, st.add_alias(tensor), self)
+        st = SwapTensor(self._b, self._pool, self.group_name, tensor)
+        self._on_device[key] = st
+        self.swap_storage.append(st)
+        return SwapView(st, 0, self)
+
+    def add_save(self, nbytes: int, reason: KeepReason) -> None:
+        """Count bytes that stay on the device (a SAVE decision, a parameter...)."""
+        self.save_bytes += nbytes
+        self._stats.keep(reason, nbytes)
+
+    def swap_tensors(self) -> Iterator[SwapTensor]:
+        return iter(list(self.swap_storage))
+
+    def __repr__(self) -> str:
+        return (f"Storage(group={self.group_name!r}, swap={len(self.swap_storage)}, "
+                f"save_bytes={self.save_bytes})")

@@ -1,0 +1,265 @@
+"""``SwapManager``: the process-wide owner of every swap group and of the copy stream."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any, Dict, Optional
+
+from .backend import Backend, active_backend
+from .host_pool import HostBufferPool
+from .layer_chain import LayerChain
+from .storage import Storage
+from .swap_group import GroupStats, SwapGroup
+
+__all__ = ["SwapManager", "DEFAULT_GROUP"]
+
+DEFAULT_GROUP = "default"
+_RETIRED_NAMES = 1024  # how many names of forgotten groups are remembered
+
+
+class SwapManager:
+    """Process-wide singleton that schedules all host<->device activation traffic.
+
+    Four layers: ``SwapManager -> SwapGroup (by name) -> Storage (what one region saved in one
+    forward) -> SwapTensor``. Regions (``checkpoint_wrapper`` with ``MUST_SWAP`` ops or
+    ``swap_inputs=True``, ``swap_wrapper``) add a ``Storage`` to the *current* group; a schedule
+    moves whole groups.
+
+    Two ways to schedule:
+
+    - per layer: ``set_forward_prefetch_layer(first, second)`` for consecutive layers; offload and
+      prefetch then happen automatically from module hooks;
+    - atomic, for pipeline schedules: ``set_current_group_name``, ``launch_offload``,
+      ``wait_offload``, ``launch_load``, ``wait_load``.
+
+    If nothing ever launches an offload, swapped tensors simply stay on the device (= SAVE).
+
+    Example (atomic API on one micro-batch)::
+
+        >>> import torch
+        >>> from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
+        >>> block = swap_wrapper(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()))
+        >>> mgr = SwapManager()
+        >>> mgr.set_current_group_name("mb0")
+        >>> loss = block(torch.randn(4, 8)).sum()
+        >>> mgr.set_current_group_name(None)
+        >>> mgr.launch_offload("mb0"); mgr.wait_offload("mb0")   # activations now on the host
+        >>> mgr.launch_load("mb0"); mgr.wait_load("mb0")         # ... and back
+        >>> loss.backward()
+    """
+
+    _instance: Optional["SwapManager"] = None
+    _lock = threading.Lock()
+
+    def __new__(cls) -> "SwapManager":
+        with cls._lock:
+            if cls._instance is None:
+                inst = super().__new__(cls)
+                inst._init()
+                cls._instance = inst
+        return cls._instance
+
+    def _init(self) -> None:
+        self.backend: Backend = active_backend()
+        self._groups: Dict[str, SwapGroup] = {}
+        self._retired: "OrderedDict[str, None]" = OrderedDict()
+        self._stats: Dict[str, GroupStats] = {}
+        self._current_group_name: Optional[str] = None
+        self._copy_stream: Any = None
+        self._pool = HostBufferPool(self.backend)
+        self._chain = LayerChain(self)  # cleared, never replaced: it may still receive hook calls
+
+    # ------------------------------------------------------------------ groups
+    def _group(self, name: str, create: bool = False, persistent: bool = False) -> SwapGroup:
+        group = self._groups.get(name)
+        if group is None:
+            if not create:
+                known = ", ".join(repr(n) for n in sorted(self._groups)) or "none"
+                raise KeyError(f"unknown swap group {name!r}; known groups: {known}. Groups are created "
+                               "by set_current_group_name, add_storage or set_forward_prefetch_layer.")
+            self._retired.pop(name, None)
+            stats = self._stats.setdefault(name, GroupStats())
+            group = self._groups[name] = SwapGroup(name, self.backend, stats, persistent)
+        elif persistent:
+            group.persistent = True
+        return group
+
+    def new_storage(self, group_name: Optional[str] = None) -> Storage:
+        """Create the :class:`Storage` of one region's forward in ``group_name`` (default: the
+        current group) and register it there. Used by the wrappers; rarely needed directly."""
+        name = group_name or self._current_group_name or DEFAULT_GROUP
+        group = self._group(name, create=True)
+        storage = Storage(self.backend, self._pool, name, group.stats)
+        self.add_storage(name, storage)
+        return storage
+
+    def add_storage(self, group_name: str, storage: Storage) -> None:
+        """Add ``storage`` to group ``group_name`` (created if new). The group holds it weakly:
+        it leaves the group when the autograd graph that references it dies."""
+        group = self._group(group_name, create=True)
+        group.add(storage)
+        weakref.finalize(storage, self._forget_if_empty, group_name)
+
+    def _forget_if_empty(self, name: str) -> None:
+        """Called when a storage of group ``name`` dies (and after waits). A group whose storages
+        all died has nothing left to move, even if a launch was never waited (a skipped step):
+        its pending state goes, and unless the layer chain owns it or it is current, the group
+        goes too, so per-step or per-micro-batch names never accumulate."""
+        group = self._groups.get(name)
+        if group is None or len(group) != 0:
+            return
+        group.forget_in_flight()
+        if not group.persistent and name != self._current_group_name:
+            del self._groups[name]
+            # Remember the name for a while: a wait or launch on it after its graph died (the
+            # graph of a skipped step) has nothing to do, which is not the user's mistake.
+            self._retired[name] = None
+            while len(self._retired) > _RETIRED_NAMES:
+                self._retired.popitem(last=False)
+
+    def _live_group(self, name: str) -> Optional[SwapGroup]:
+        """The group ``name``; ``None`` if it was forgotten because all its storages died."""
+        if name not in self._groups and name in self._retired:
+            return None
+        return self._group(name)
+
+    def set_current_group_name(self, group_name: Optional[str]) -> None:
+        """Regions that run from now on add their storages to ``group_name`` (``None``: the
+        default group). The group is created if new."""
+        if group_name is not None:
+            if not isinstance(group_name, str) or not group_name:
+                raise TypeError(f"group name must be a non-empty str or None, got {group_name!r}")
+            self._group(group_name, create=True)
+        previous, self._current_group_name = self._current_group_name, group_name
+        if previous is not None and previous != group_name:
+            self._forget_if_empty(previous)
+
+    def discard_group(self, group_name: str) -> None:
+        """Forget group ``group_name`` without moving anything (no-op if unknown): storages of it
+        that are still alive stay where they are and give their host buffers back when they die.
+        Used to clean up after an aborted step so the name is free for the next one."""
+        if self._groups.pop(group_name, None) is not None and group_name == self._current_group_name:
+            self._current_group_name = None
+
+    def resident_swap_bytes(self, prefix: Optional[str] = None) -> int:
+        """Bytes of swap candidates occupying device memory now (produced and not yet offloaded,
+        in flight, or loaded back), over the groups whose name starts with ``prefix`` (all if
+        ``None``). Tensors kept on the device for good (parameters, shared ones) are excluded."""
+        return sum(g.resident_swap_bytes() for name, g in list(self._groups.items())
+                   if prefix is None or name.startswith(prefix))
+
+    def get_current_group_name(self) -> Optional[str]:
+        return self._current_group_name
+
+    def group_names(self) -> list:
+        """Names of the live groups."""
+        return sorted(self._groups)
+
+    # ------------------------------------------------------------------ atomic API
+    def _stream(self, copy_stream: Any) -> Any:
+        if copy_stream is not None:
+            return copy_stream
+        if self._copy_stream is None:
+            self._copy_stream = self.backend.new_copy_stream()
+        return self._copy_stream
+
+    # A group forgotten because every storage of it died (see ``_forget_if_empty``) answers
+    # these four calls with nothing to do.
+    def launch_offload(self, group_name: str, copy_stream: Any = None) -> None:
+        """Start copying group ``group_name``'s tensors to host memory on ``copy_stream`` (default:
+        the manager's copy stream). Returns at once on accelerators."""
+        group = self._live_group(group_name)
+        if group is not None:
+            group.launch_offload(self._stream(copy_stream))
+
+    def wait_offload(self, group_name: str) -> None:
+        """Make compute wait for the group's offload and release its device memory."""
+        group = self._live_group(group_name)
+        if group is not None:
+            group.wait_offload()
+            self._forget_if_empty(group_name)
+
+    def launch_load(self, group_name: str, copy_stream: Any = None) -> None:
+        """Start copying group ``group_name``'s offloaded tensors back to the device."""
+        group = self._live_group(group_name)
+        if group is not None:
+            group.launch_load(self._stream(copy_stream))
+
+    def wait_load(self, group_name: str) -> None:
+        """Make compute wait for the group's load; its tensors are usable afterwards."""
+        group = self._live_group(group_name)
+        if group is not None:
+            group.wait_load()
+            self._forget_if_empty(group_name)
+
+    # ------------------------------------------------------------------ layer chain
+    def set_forward_prefetch_layer(self, first_layer: Any, second_layer: Any) -> None:
+        """Declare that ``second_layer`` runs right after ``first_layer`` in forward (idempotent).
+
+        Each layer gets its own group. Forward: when a layer with a successor finishes, its
+        offload is launched, then its predecessor's offload is waited. Backward: when a layer's
+        backward starts, its predecessor's load is launched and its own load waited. The hooks do
+        nothing while a checkpointed region is recomputed.
+
+        Example::
+
+            >>> for i in range(len(model.layers) - 1):  # doctest: +SKIP
+            ...     SwapManager().set_forward_prefetch_layer(model.layers[i], model.layers[i + 1])
+        """
+        self._chain.link(first_layer, second_layer)
+
+    def layer_group_name(self, layer: Any) -> Optional[str]:
+        """The group name the layer chain gave ``layer`` (``None`` if not chained)."""
+        return self._chain.group_name(layer)
+
+    # ------------------------------------------------------------------ housekeeping
+    def set_host_memory_limit(self, limit_bytes: Optional[int]) -> None:
+        """Cap the host memory the swap pool may reserve; past it tensors stay on the device and
+        ``stats()`` counts them under ``kept_bytes['host_limit']``. ``None`` removes the cap."""
+        if limit_bytes is not None and limit_bytes < 0:
+            raise ValueError(f"host memory limit must be >= 0 or None, got {limit_bytes}")
+        self._pool.limit_bytes = limit_bytes
+
+    def release_host_cache(self) -> int:
+        """Free the pooled host buffers that no tensor uses now; returns the bytes released."""
+        return self._pool.release_idle()
+
+    def stats(self) -> Dict[str, Any]:
+        """Bytes offloaded, loaded and kept on the device (by reason), and seconds the host spent
+        in waits, per group and in total; plus the host pool's size."""
+        groups = {name: s.as_dict() for name, s in sorted(self._stats.items())}
+        total: Dict[str, Any] = {"offloaded_bytes": 0, "loaded_bytes": 0, "kept_bytes": {},
+                                 "wait_offload_s": 0.0, "wait_load_s": 0.0,
+                                 "offload_launches": 0, "load_launches": 0}
+        for g in groups.values():
+            for key, value in g.items():
+                if key == "kept_bytes":
+                    for reason, n in value.items():
+                        total["kept_bytes"][reason] = total["kept_bytes"].get(reason, 0) + n
+                else:
+                    total[key] += value
+        total["groups"] = groups
+        total["host_pool"] = {"reserved_bytes": self._pool.reserved_bytes,
+                              "in_use_bytes": self._pool.in_use_bytes,
+                              "allocations": self._pool.allocations,
+                              "limit_bytes": self._pool.limit_bytes}
+        return total
+
+    def reset(self) -> None:
+        """Forget every group, the layer chain (its hooks are removed), the statistics, the
+        pooled host buffers and the host memory limit. For tests, tools and recovery after a failed step. Tensors of regions
+        still alive are first brought back to the device (synchronously), so such a region's
+        backward still works, as with SAVE."""
+        for group in list(self._groups.values()):
+            group.settle()
+        self._chain.clear()
+        self._groups.clear()
+        self._retired.clear()
+        self._stats.clear()
+        self._current_group_name = None
+        self._copy_stream = None
+        # The backend is read again: a test or tool may have switched it (core.backend.use_backend).
+        self.backend = active_backend()
+        self._pool = HostBufferPool(self.backend)  # the host limit goes back to "none" too

@@ -1,0 +1,246 @@
+"""One device storage that a region saved, its host copy, and the state machine between them.
+
+A ``SwapTensor`` owns one *storage* (not one tensor): every tensor the region saved that views
+the same storage is an alias of it, so aliases are copied once and come back as aliases (same
+size, stride, storage offset and dtype over one reloaded storage).
+
+States::
+
+    device --async_offload--> d2h --wait_offload--> host --async_load--> h2d --wait_load--> device
+
+``get_val`` is legal in ``device`` (and in ``d2h``, where the source is still intact on the
+device); anywhere else it raises. Memory is never freed by force: the swap system only drops its
+own references, so a storage that somebody else still holds stays valid.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, List, Optional
+
+from .backend import Backend
+from .keep_reason import KeepReason
+
+__all__ = ["TensorState", "SwapTensor", "SwapView"]
+
+
+class TensorState(enum.Enum):
+    DEVICE = "device"
+    D2H = "d2h"
+    HOST = "host"
+    H2D = "h2d"
+
+
+class SwapTensor:
+    """State machine of one saved device storage (see the module docstring).
+
+    ``backend`` supplies the tensor operations; ``pool`` the host buffers; ``group_name`` is
+    only used to say which group to load in error messages.
+    """
+
+    def __init__(self, backend: Backend, pool: Any, group_name: str, alias: Any) -> None:
+        self._b = backend
+        self._pool = pool
+        self.group_name = group_name
+        self.nbytes: int = backend.storage_nbytes(alias)
+        self._state = TensorState.DEVICE
+        # Detached aliases of the saved tensors: they keep the storage alive and share the
+        # originals' version counters, so in-place changes after saving are detected.
+        self._aliases: Optional[List[Any]] = [alias]
+        self._versions: List[int] = [backend.version(alias)]
+        self._metas: List[Any] = [backend.view_meta(alias)]
+        self._src: Any = None      # byte view of the source while its D2H copy is in flight
+        self._host: Any = None     # host buffer holding the bytes while offloaded
+        self._dev: Any = None      # byte tensor of the reloaded storage
+        self._host_guard: Any = None  # offload event: the host buffer is written until it fires
+        self.kept_reason: Optional[KeepReason] = None  # set once the storage stays on the device for good
+        self.shared_skips = 0  # launches that skipped it because somebody else held it
+
+    # ----------------------------------------------------------------- bookkeeping
+    @property
+    def state(self) -> TensorState:
+        return self._state
+
+    @property
+    def holds_aliases(self) -> bool:
+        """True while the original (never moved) saved tensors are still held."""
+        return self._aliases is not None
+
+    @property
+    def retryable(self) -> bool:
+        """Skipped by exactly one earlier launch because it was held elsewhere: worth one more
+        try (a layer input is free once the caller moved on); a storage that was still held at
+        the second try (a mask every layer uses) is not retried again by the layer chain."""
+        return (self._state is TensorState.DEVICE and self.kept_reason is None
+                and self._aliases is not None and self.shared_skips == 1)
+
+    @property
+    def resident_candidate(self) -> bool:
+        """True while this storage occupies device memory *as a swap candidate*: produced and not
+        yet offloaded (unless somebody else holds it, so an offload would keep it), in flight,
+        or loaded back."""
+        if self.kept_reason is not None or self._state is TensorState.HOST:
+            return False
+        if self._aliases is not None and self._b.storage_other_holders(self._aliases) > 0:
+            return False
+        return True
+
+    def add_alias(self, alias: Any) -> int:
+        """Register one more saved tensor viewing this storage; returns its index."""
+        if self._state is not TensorState.DEVICE or self._aliases is None:
+            raise RuntimeError(
+                f"swap group '{self.group_name}': a tensor was saved into a storage that is already "
+                f"{self._state.value}; save all tensors of a region before launching its offload.")
+        self._aliases.append(alias)
+        self._versions.append(self._b.version(alias))
+        self._metas.append(self._b.view_meta(alias))
+        return len(self._aliases) - 1
+
+    def _mutation(self) -> Optional[str]:
+        if self._aliases is None:
+            return None
+        for i, alias in enumerate(self._aliases):
+            now = self._b.version(alias)
+            if now != self._versions[i]:
+                return (f"a tensor saved for backward in swap group '{self.group_name}' was modified by an "
+                        f"in-place operation after it was saved (version {self._versions[i]} when saved, "
+                        f"{now} now); gradients would be wrong. Avoid the in-place op (use its "
+                        "out-of-place form) or clone the tensor before the op that saves it.")
+        return None
+
+    # ----------------------------------------------------------------- reading
+    def get_val(self, index: int) -> Any:
+        """Return saved tensor ``index``; raises unless its bytes are on the device."""
+        state = self._state
+        if state is TensorState.DEVICE:
+            if self._aliases is not None:
+                problem = self._mutation()
+                if problem:
+                    raise RuntimeError(problem)
+                return self._aliases[index]
+            return self._b.rebuild_view(self._dev, self._metas[index])
+        if state is TensorState.D2H:
+            # The copy only reads the source, which stays intact until wait_offload.
+            return self._b.rebuild_view(self._src, self._metas[index])
+        if state is TensorState.HOST:
+            raise RuntimeError(
+                f"a saved tensor of swap group '{self.group_name}' is on the host (state 'host'): it was "
+                "offloaded and never loaded back. Call SwapManager().launch_load"
+                f"('{self.group_name}') and SwapManager().wait_load('{self.group_name}') before the "
+                "backward that needs it, or chain the layers with set_forward_prefetch_layer.")
+        raise RuntimeError(
+            f"a saved tensor of swap group '{self.group_name}' is still being loaded (state 'h2d'). "
+            f"Call SwapManager().wait_load('{self.group_name}') before the backward that needs it.")
+
+    # ----------------------------------------------------------------- offload
+    def async_offload(self, copy_stream: Any) -> Optional[KeepReason]:
+        """Start the D2H copy on ``copy_stream``. Returns ``None`` when the copy started, or the
+        reason the storage stays on the device (it is then kept for good, as with SAVE)."""
+        if self._state is not TensorState.DEVICE:
+            raise RuntimeError(f"swap group '{self.group_name}': offload of a tensor in state "
+                               f"'{self._state.value}'; only tensors on the device can be offloaded.")
+        if self.kept_reason is not None:
+            return self.kept_reason
+        if self._aliases is None:  # reloaded earlier in this step: a second offload is a new save
+            return self._keep(KeepReason.RELOADED)
+        if self._mutation():
+            return self._keep(KeepReason.MODIFIED_IN_PLACE)
+        if self._b.storage_other_holders(self._aliases) > 0:
+            # Somebody else (the caller still holding a layer's input, a shared mask...) holds
+            # this storage: copying it now would free nothing, so skip the bandwidth. Unlike the
+            # other reasons this one can pass (the caller moves on to the next layer): the next
+            # launch of the group tries again.
+            self.shared_skips += 1
+            return KeepReason.SHARED
+        host = self._pool.acquire(self.nbytes, copy_stream)
+        if host is None:
+            return self._keep(KeepReason.HOST_LIMIT)
+        self._host = host
+        self._src = self._b.byte_view(self._aliases[0])
+        self._b.copy_bytes(host, self._src)
+        self._aliases = None
+        self._state = TensorState.D2H
+        return None
+
+    def _keep(self, reason: KeepReason) -> KeepReason:
+        self.kept_reason = reason
+        return reason
+
+    def wait_offload(self) -> None:
+        """The group's offload event has been waited: drop our reference to the source."""
+        if self._state is not TensorState.D2H:
+            raise RuntimeError(
+                f"swap group '{self.group_name}': wait_offload on a tensor in state "
+                f"'{self._state.value}'; call launch_offload first.")
+        self._src = None  # the device storage is freed here unless somebody else holds it
+        self._state = TensorState.HOST
+
+    # ----------------------------------------------------------------- load
+    def async_load(self) -> bool:
+        """Start the H2D copy. A tensor whose offload was never waited is simply kept (its
+        source is still on the device); returns ``True`` when a copy was issued."""
+        if self._state is TensorState.D2H:
+            # Cancel: the source is intact; keep it and give the host buffer back once the
+            # D2H copy that writes it is done.
+            self._b.wait_event(self._b.current_stream(), self._host_guard)
+            self._dev, self._src = self._src, None
+            self._release_host(self._host_guard)
+            self._state = TensorState.DEVICE
+            return False
+        if self._state is not TensorState.HOST:
+            raise RuntimeError(
+                f"swap group '{self.group_name}': launch_load on a tensor in state '{self._state.value}'.")
+        # The destination is allocated by the compute stream (the stream that will use and free
+        # it); the caller made the copy stream wait for compute after these allocations.
+        self._dev = self._b.empty_device_bytes(self.nbytes, self._metas[0])
+        self._state = TensorState.H2D
+        return True
+
+    def copy_in(self, copy_stream: Any) -> None:
+        """Issue the H2D copy (called inside the copy-stream context). The destination is also
+        marked as used by the copy stream: if the region dies before ``wait_load`` (an abandoned
+        step), the allocator must not hand the block to compute while the copy still writes it."""
+        self._b.copy_bytes(self._dev, self._host)
+        self._b.mark_used_by(self._dev, copy_stream)
+
+    def wait_load(self) -> None:
+        if self._state is not TensorState.H2D:
+            raise RuntimeError(
+                f"swap group '{self.group_name}': wait_load on a tensor in state "
+                f"'{self._state.value}'; call launch_load first.")
+        self._release_host(self._host_guard)  # guard = the load event: the H2D reads the buffer
+        self._state = TensorState.DEVICE
+
+    def _release_host(self, guard: Any) -> None:
+        if self._host is not None:
+            self._pool.release(self._host, self.nbytes, guard)
+            self._host = None
+
+    def set_copy_event(self, event: Any) -> None:
+        """The event recorded after the copy that uses the host buffer (D2H or H2D)."""
+        self._host_guard = event
+
+    def __del__(self) -> None:
+        # The region's graph died (forward without backward, or backward done): return the host
+        # buffer to the pool, guarded by the copy that may still be writing it.
+        try:
+            self._release_host(self._host_guard)
+        except Exception:  # interpreter shutdown: the pool may be gone already
+            pass
+
+    def __repr__(self) -> str:
+        return f"SwapTensor(group={self.group_name!r}, nbytes={self.nbytes}, state={self._state.value})"
+
+
+class SwapView:
+    """What a region keeps in place of one saved tensor: ``get_val()`` returns the tensor."""
+
+    __slots__ = ("_swap_tensor", "_index", "_storage")
+
+    def __init__(self, swap_tensor: SwapTensor, index: int, storage: Any) -> None:
+        self._swap_tensor = swap_tensor
+        self._index = index
+        self._storage = storage  # keeps the region's Storage alive as long as autograd needs it
+
+    def get_val(self) -> Any:
+        return self._swap_tensor.get_val(self._index)

@@ -1,1 +1,0 @@
-"""The PyTorch platform: everything in hyper-parallel that imports torch lives here."""

@@ -1,0 +1,67 @@
+"""The engine is framework-neutral and reached from the public API by plain imports."""
+
+import ast
+import os
+import subprocess
+import sys
+
+import hyper_parallel
+
+PACKAGE = os.path.dirname(hyper_parallel.__file__)
+CORE = os.path.join(PACKAGE, "core")
+ENGINE_MODULES = sorted(f[:-3] for f in os.listdir(CORE) if f.endswith(".py") and f != "__init__.py")
+
+
+def test_importing_the_engine_imports_no_framework():
+    modules = ", ".join(f"hyper_parallel.core.{m}" for m in ENGINE_MODULES)
+    code = (f"import sys, importlib\nfor m in '{modules}'.split(', '): importlib.import_module(m)\n"
+            "print(sorted(n for n in ('torch', 'mindspore', 'numpy') if n in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def _imports(path):
+    tree = ast.parse(open(path).read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield node, [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            yield node, [node.module or ""]
+
+
+def test_engine_imports_neither_a_framework_nor_a_backend_nor_by_string():
+    for name in ENGINE_MODULES:
+        path = os.path.join(CORE, name + ".py")
+        source = open(path).read()
+        assert "importlib" not in source and "__import__" not in source, name
+        assert "def __getattr__" not in source, name
+        for node, targets in _imports(path):
+            for target in targets:
+                root = target.split(".")[0]
+                assert root not in ("torch", "mindspore"), f"{name} imports {target}"
+                assert not target.startswith("hyper_parallel.backends"), f"{name} imports {target}"
+
+
+def test_no_function_local_imports_in_engine_or_backends():
+    roots = [CORE, os.path.join(PACKAGE, "backends")]
+    for root in roots:
+        for dirpath, _, files in os.walk(root):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                tree = ast.parse(open(os.path.join(dirpath, f)).read())
+                for fn in ast.walk(tree):
+                    if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        local = [n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
+                        assert not local, f"{f}:{fn.name} imports inside a function"
+
+
+def test_public_api_binds_the_torch_backend():
+    from hyper_parallel.backends.torch.backend import TorchBackend
+    from hyper_parallel.core import activation_checkpoint as api
+    from hyper_parallel.core.backend import active_backend
+
+    assert isinstance(active_backend(), TorchBackend)
+    assert api.SwapManager().backend is active_backend()
+    for name in api.__all__:
+        assert getattr(api, name).__doc__, name
