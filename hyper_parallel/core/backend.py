@@ -107,6 +107,11 @@ class Backend(abc.ABC):
         ...
 
     @abc.abstractmethod
+    def clone(self, t: Tensor) -> Tensor:
+        """A new tensor with ``t``'s values and layout, in its own storage."""
+        ...
+
+    @abc.abstractmethod
     def hand_back(self, t: Tensor) -> Tensor:
         """The tensor a recomputation returns for a kept op output ``t`` (``t`` itself where
         autograd allows it; a fresh alias where autograd attaches its node to the object)."""
@@ -304,6 +309,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def module_tensors(self, module: Module) -> Iterator[Tensor]:
         """The parameters and buffers of ``module`` and its sub-modules."""
+        ...
+
+    @abc.abstractmethod
+    def has_buffers(self, module: Module) -> bool:
+        """Whether ``module`` or a sub-module holds state that ops may update in place (buffers,
+        e.g. BatchNorm's running statistics)."""
         ...
 
     @abc.abstractmethod

@@ -110,6 +110,9 @@ def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None, 
     region = None
     if policy is not None or not b.rng_replayable:
         region = SelectiveRegion(b, policy, storage_factory)
+    elif owner is not None and b.has_buffers(owner):
+        # Recomputation must not update buffers (BatchNorm's running statistics) a second time.
+        region = SelectiveRegion(b, None, storage_factory, whole=True)
 
     hooks: Any = contextlib.nullcontext()
     if swap_inputs and not _nested(b):

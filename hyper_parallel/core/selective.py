@@ -121,8 +121,13 @@ class SelectiveRegion:
     """
 
     def __init__(self, backend: Backend, policy_fn: Optional[Callable[..., Any]],
-                 storage_factory: Callable[[], Storage], allow_cache_entry_mutation: bool = False) -> None:
+                 storage_factory: Callable[[], Storage], allow_cache_entry_mutation: bool = False,
+                 whole: bool = False) -> None:
         self._b = backend
+        # Whole-region recompute where the framework replays random ops: forward is not observed
+        # (no dispatch mode), recompute only keeps writes off state that lives outside it.
+        self.whole = whole
+        self._replayed: Set[int] = set()  # storages produced by the current recomputation
         self.policy_fn = policy_fn
         self.allow_mutation = allow_cache_entry_mutation
         self.log = OpLog()
@@ -166,23 +171,54 @@ class SelectiveRegion:
         self._keep(key, self._ask(self._ctx_forward, func, key, args, kwargs, out), out)
         return out
 
+    def start_replay(self) -> None:
+        """A recomputation starts (each one replays the region from its first op)."""
+        self.log.start_replay()
+        self._replayed.clear()
+
     def recompute_op(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """Run one op of the region's recomputation: re-run it, or hand back what forward kept."""
         kind = self._kind(func)
-        if kind is OpKind.MACHINERY or kind is OpKind.MUTATING:
+        if kind is OpKind.MACHINERY:
             return _run(func, args, kwargs)
+        if kind is OpKind.MUTATING:
+            return self._note(self._replay_write(func, args, kwargs))
+        if self.whole:
+            return self._note(self._replay_write(func, args, kwargs))
         key = self._b.op_key(func)
         index, kept, ask = self.log.next_call(key, key)
         if ask:
             self.log.check(key, index, self._ask(self._ctx_recompute, func, key, args, kwargs), key)
         if kept is RECOMPUTE:
-            return _run(func, args, kwargs)
-        value = self._b.tree_map(self._take, kept)  # may raise (not loaded): the record then stays usable
+            return self._note(self._replay_write(func, args, kwargs))
+        value = self._note(self._b.tree_map(self._take, kept))  # may raise (not loaded): the record then stays usable
         rng = self._rng_after.pop((key, index), None)
         if rng is not None:
             self._b.set_rng_state(rng)
         self.log.consume(key, index)  # backward has it: device memory goes as soon as it can
         return value
+
+    def _note(self, out: Any) -> Any:
+        b = self._b
+        for t in b.tree_leaves(out):
+            if b.is_tensor(t):
+                self._replayed.add(b.storage_id(t))
+        return out
+
+    def _replay_write(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Re-run an op in recomputation. Writes to tensors the recomputation produced are
+        replayed as in forward; a write to state that lives outside the region (BatchNorm's
+        running statistics, any buffer updated in place) already happened in forward, so the op
+        runs on a copy of that argument: the state is updated exactly once per forward."""
+        b = self._b
+        written = b.written_tensors(func, args, kwargs)
+        if not written:
+            return _run(func, args, kwargs)
+        outside = {id(t): b.clone(t) for t in written if b.storage_id(t) not in self._replayed}
+        if outside:
+            swap = lambda x: outside.get(id(x), x)  # noqa: E731
+            args, kwargs = b.tree_map(swap, args), b.tree_map(swap, kwargs)
+        return _run(func, args, kwargs)
 
     # ------------------------------------------------------------------ policy
     def _kind(self, func: Any) -> OpKind:

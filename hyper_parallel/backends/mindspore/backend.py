@@ -133,7 +133,7 @@ class _RegionMode(MsDispatchMode):
 
     def __enter__(self) -> "_RegionMode":
         if self.recompute:
-            self._region.log.start_replay()  # each recomputation replays the region from its first op
+            self._region.start_replay()
         self._pipeline_prev.append(_shim.disable_pipeline())
         self._marker.__enter__()
         try:
@@ -215,6 +215,10 @@ class MindSporeBackend(Backend):
         # Autograd attaches the recomputed node to the returned tensor object, so it must not be
         # the one the cache (or the swap system) keeps.
         return self.alias(t)
+
+    def clone(self, t: Tensor) -> Tensor:
+        with _shim.internal():
+            return t.clone()
 
     def unswappable_reason(self, t: Any) -> Optional[KeepReason]:
         if not isinstance(t, Tensor):
@@ -389,6 +393,9 @@ class MindSporeBackend(Backend):
             except Exception:  # not materialised yet (lazy init): nothing can save it
                 continue
             yield p
+
+    def has_buffers(self, module: nn.Cell) -> bool:
+        return any(not p.requires_grad for p in module.get_parameters())
 
     def check_selective_owner(self, module: nn.Cell) -> None:
         return None

@@ -45,6 +45,12 @@ _FROM_TORCH = {
     _TORCH_POLICY.PREFER_CPU_OFFLOAD: CheckpointPolicy.MUST_SWAP,
 }
 
+# Ops that update their running_mean / running_var arguments (3 and 4) in place in training
+# mode although their schemas do not say so.
+_UNDECLARED_WRITES = {op: ((3, "running_mean"), (4, "running_var")) for op in (
+    torch.ops.aten.native_batch_norm.default, torch.ops.aten.cudnn_batch_norm.default,
+    torch.ops.aten.miopen_batch_norm.default)}
+
 # Issued by torch.utils.checkpoint itself, a different number of times in forward and recompute.
 _MACHINERY = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
 
@@ -86,7 +92,7 @@ class _RecomputeMode(_RegionMode):
         self._region = region
 
     def __enter__(self) -> "_RecomputeMode":
-        self._region.log.start_replay()  # each recomputation replays the region from its first op
+        self._region.start_replay()
         return super().__enter__()
 
 
@@ -135,6 +141,9 @@ class TorchBackend(Backend):
 
     def hand_back(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def clone(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
 
     def unswappable_reason(self, t: torch.Tensor) -> Optional[KeepReason]:
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout is not torch.strided:
@@ -232,10 +241,13 @@ class TorchBackend(Backend):
 
     def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
                        region: Any, options: dict) -> Any:
-        if region is not None:
+        if region is not None and not region.whole:
             context_fn: Callable[[], Any] = lambda: self.dispatch_modes(region)  # noqa: E731
         elif options.get("debug"):
             context_fn = torch_ckpt.noop_context_fn  # debug mode insists on the default contexts
+        elif region is not None:
+            # Forward needs no dispatch mode; the recomputation keeps writes off outside state.
+            context_fn = lambda: (RegionMarker(recompute=False), _RecomputeMode(region))  # noqa: E731
         else:
             context_fn = _marker_contexts
         return torch_ckpt.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn,
@@ -268,7 +280,7 @@ class TorchBackend(Backend):
         if spec is None:
             schema = getattr(op, "_schema", None)
             spec = tuple((i, a.name) for i, a in enumerate(schema.arguments if schema is not None else ())
-                         if a.alias_info is not None and a.alias_info.is_write)
+                         if a.alias_info is not None and a.alias_info.is_write) + _UNDECLARED_WRITES.get(op, ())
             self._written[op] = spec
         out = []
         for i, name in spec:
@@ -302,6 +314,9 @@ class TorchBackend(Backend):
     def module_tensors(self, module: torch.nn.Module) -> Iterator[torch.Tensor]:
         yield from module.parameters()
         yield from module.buffers()
+
+    def has_buffers(self, module: torch.nn.Module) -> bool:
+        return next(module.buffers(), None) is not None
 
     def check_selective_owner(self, module: torch.nn.Module) -> None:
         # FSDP2 units inside a selective region run their all-gather/reshard hooks differently in
