@@ -254,6 +254,24 @@ class Backend(abc.ABC):
         ...
 
     @abc.abstractmethod
+    def compiling(self) -> bool:
+        """Whether the framework's compiler is tracing the code that runs now."""
+        ...
+
+    @abc.abstractmethod
+    def run_eagerly(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn`` outside any compiled graph (a graph break around it while tracing)."""
+        ...
+
+    @abc.abstractmethod
+    def run_compiled_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
+                                policy_fn: Optional[Callable[..., Any]], options: dict) -> Any:
+        """Run ``function`` under the framework's own checkpoint while its compiler traces it:
+        whole-region recompute without ``policy_fn``, else the framework's compiled selective
+        checkpoint driven by ``policy_fn`` (our answers translated)."""
+        ...
+
+    @abc.abstractmethod
     def check_checkpoint_options(self, options: dict, selective: bool) -> None:
         """Raise a clear error for an option combination the framework's checkpoint refuses."""
         ...
@@ -318,8 +336,10 @@ class Backend(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def check_selective_owner(self, module: Module) -> None:
-        """Raise a clear error if a selective region cannot host ``module`` (e.g. sharded units)."""
+    def check_region_owner(self, module: Module, selective: bool) -> None:
+        """Raise a clear error if a region that intercepts ops or saved tensors cannot act inside
+        ``module`` (a compiled module; with ``selective``, sharded units whose hooks differ
+        between forward and recompute)."""
         ...
 
     @abc.abstractmethod

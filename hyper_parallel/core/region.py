@@ -96,10 +96,18 @@ def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None, 
     options = {k: kwargs.pop(k) for k in b.checkpoint_options if k in kwargs}
     policy = check_policy_fn(b, policy_fn)  # validated even when nothing is recorded
     b.check_checkpoint_options(options, selective=policy is not None)
+    if b.compiling():
+        if swap_inputs:
+            # Swapped inputs need saved-tensor hooks, which a compiled graph cannot host: the
+            # region runs eagerly, with a graph break around it.
+            return b.run_eagerly(checkpoint, function, *args, policy_fn=policy_fn, swap_inputs=True,
+                                 **options, **kwargs)
+        # The framework's compiled (selective) checkpoint, driven by the same policy.
+        return b.run_compiled_checkpoint(function, args, kwargs, policy, options)
     b.check_ready("checkpoint")
     owner = _owner(b, function)
-    if policy is not None and owner is not None:
-        b.check_selective_owner(owner)
+    if owner is not None and (policy is not None or swap_inputs):
+        b.check_region_owner(owner, selective=policy is not None)
     if not b.grad_recording():
         return function(*args, **kwargs)  # nothing is saved: nothing to checkpoint or swap
 
@@ -132,13 +140,19 @@ def swap_region(function: Callable[..., Any], policy_fn: Optional[Callable[[Any]
                 *args: Any, **kwargs: Any) -> Any:
     """Run ``function`` so that every tensor autograd saves in it is a swap candidate."""
     b = active_backend()
+    if b.compiling():
+        # Saved-tensor hooks cannot live in a compiled graph: the region runs eagerly, with a
+        # graph break around it.
+        return b.run_eagerly(swap_region, function, policy_fn, *args, **kwargs)
     if not b.grad_recording() or _nested(b):
         # Nothing is saved, or a checkpoint region owns what is saved here (its own hooks must see
         # the tensors so that recomputation works): swap does not apply.
         return function(*args, **kwargs)
     b.check_ready("swap_wrapper")
-    packer = SwapPacker(b, SwapManager().new_storage(), policy_fn,
-                        parameter_storages(b, _owner(b, function)))
+    owner = _owner(b, function)
+    if owner is not None:
+        b.check_region_owner(owner, selective=False)
+    packer = SwapPacker(b, SwapManager().new_storage(), policy_fn, parameter_storages(b, owner))
     with packer.hooks():
         return function(*args, **kwargs)
 

@@ -118,6 +118,8 @@ def checkpoint_wrapper(module_or_function: Any, policy_fn: Any = None, swap_inpu
         raise TypeError(f"swap_inputs must be a bool, got {swap_inputs!r}")
     target = module_or_function
     if b.is_module(target):
+        if policy_fn is not None or swap_inputs:
+            b.check_region_owner(target, selective=policy_fn is not None)
         return _wrap_module(b, target, _CHECKPOINT, {"_hp_policy_fn": policy_fn, "_hp_swap_inputs": swap_inputs,
                                                      "_hp_checkpoint_options": dict(checkpoint_options)})
     if not callable(target):
@@ -153,6 +155,7 @@ def swap_wrapper(module_or_function: Any, policy_fn: Optional[Callable[[Any], An
         raise TypeError(f"swap_wrapper policy_fn must be callable policy_fn(tensor), got {policy_fn!r}")
     target = module_or_function
     if b.is_module(target):
+        b.check_region_owner(target, selective=False)
         return _wrap_module(b, target, _SWAP, {"_hp_swap_policy_fn": policy_fn})
     if not callable(target):
         raise TypeError(f"swap_wrapper expects an {b.module_type} or a callable, got {target!r}")

@@ -321,6 +321,16 @@ class MindSporeBackend(Backend):
         return ms.recompute(function, *args, use_reentrant=False, early_stop=bool(options.get("early_stop", False)),
                             context_fn=lambda: self.dispatch_modes(region), **extra, **kwargs)
 
+    def compiling(self) -> bool:
+        return False  # PyNative only: graph mode is refused by check_ready
+
+    def run_eagerly(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    def run_compiled_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
+                                policy_fn: Optional[Callable[..., Any]], options: dict) -> Any:
+        raise RuntimeError("hyper_parallel has no compiled path on MindSpore (PyNative only).")
+
     def check_checkpoint_options(self, options: dict, selective: bool) -> None:
         return None
 
@@ -397,7 +407,7 @@ class MindSporeBackend(Backend):
     def has_buffers(self, module: nn.Cell) -> bool:
         return any(not p.requires_grad for p in module.get_parameters())
 
-    def check_selective_owner(self, module: nn.Cell) -> None:
+    def check_region_owner(self, module: nn.Cell, selective: bool) -> None:
         return None
 
     def register_forward_hooks(self, module: nn.Cell, pre: Callable[..., None],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from typing import Any, List
@@ -12,7 +14,7 @@ except ImportError:  # a build without torch.distributed
     _FSDPModule = None
 
 __all__ = ["storage_key", "version", "storage_use_count", "in_backward", "detach_keeping_version", "pipeline_stages",
-           "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class"]
+           "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class", "is_compiled_module"]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -80,3 +82,11 @@ def fsdp_module_class() -> Any:
     """``FSDPModule`` (the class ``fully_shard`` mixes into a module), or ``None`` on a build
     without ``torch.distributed``."""
     return _FSDPModule
+
+
+def is_compiled_module(module: Any) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns (``OptimizedModule``, whose
+    class PyTorch does not export publicly). Importing dynamo costs seconds: if nothing imported
+    it yet, nothing was compiled."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)

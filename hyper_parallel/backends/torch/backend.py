@@ -9,6 +9,8 @@ machine runs.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 from typing import Any, Callable, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -18,7 +20,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from hyper_parallel.core.backend import Backend, OpKind
 from hyper_parallel.core.keep_reason import KeepReason
-from hyper_parallel.core.policy import CheckpointPolicy
+from hyper_parallel.core.policy import CheckpointPolicy, normalize_policy
 from hyper_parallel.core.region_state import RegionMarker
 
 from . import _shim
@@ -98,6 +100,59 @@ class _RecomputeMode(_RegionMode):
 
 def _marker_contexts() -> Tuple[RegionMarker, RegionMarker]:
     return RegionMarker(recompute=False), RegionMarker(recompute=True)
+
+
+# What a selective policy's answer means to PyTorch's compiled selective checkpoint. MUST_SWAP
+# becomes CPU_OFFLOAD, which torch 2.13's partitioner keeps saved on the device (it has no eager
+# offload inside compiled graphs): under compile a swapped output behaves as SAVE.
+_TO_TORCH = {
+    CheckpointPolicy.MUST_SAVE: _TORCH_POLICY.MUST_SAVE,
+    CheckpointPolicy.PREFER_SAVE: _TORCH_POLICY.PREFER_SAVE,
+    CheckpointPolicy.MUST_RECOMPUTE: _TORCH_POLICY.MUST_RECOMPUTE,
+    CheckpointPolicy.PREFER_RECOMPUTE: _TORCH_POLICY.PREFER_RECOMPUTE,
+    CheckpointPolicy.MUST_SWAP: _TORCH_POLICY.MUST_CPU_OFFLOAD,
+}
+
+
+def _as_torch_policy(policy_fn: Callable[..., Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    answer = policy_fn(ctx, op, *args, **kwargs)
+    if isinstance(answer, bool):
+        return _TORCH_POLICY.MUST_SAVE if answer else _TORCH_POLICY.PREFER_RECOMPUTE
+    if isinstance(answer, _TORCH_POLICY):
+        return answer
+    return _TO_TORCH[normalize_policy(answer, op)]
+
+
+def _compiled_contexts(policy_fn: Callable[..., Any]) -> Any:
+    """The context pair of PyTorch's compiled selective checkpoint for one of our policies; a
+    module-level function in a ``functools.partial`` so that dynamo can treat it as a constant."""
+    return torch_ckpt.create_selective_checkpoint_contexts(functools.partial(_as_torch_policy, policy_fn))
+
+
+class _NoCompileHook:
+    """A module hook that always runs eagerly: the layer chain's hooks drive the swap manager
+    (copies, events, weak references), which a compiler must not trace. Copies and pickling
+    behave as those of the hook it carries."""
+
+    __slots__ = ("hook",)
+    _compiler_disabled = False
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+        if not _NoCompileHook._compiler_disabled:
+            # Marked once, on first use: torch.compiler.disable imports dynamo (seconds), which
+            # a process that never chains layers should not pay for.
+            _NoCompileHook.__call__ = torch.compiler.disable(_NoCompileHook.__call__)  # type: ignore[method-assign]
+            _NoCompileHook._compiler_disabled = True
+
+    def __call__(self, *args: Any) -> Any:
+        return self.hook(*args)
+
+    def __deepcopy__(self, memo: dict) -> "_NoCompileHook":
+        return _NoCompileHook(copy.deepcopy(self.hook, memo))
+
+    def __reduce__(self) -> Any:
+        return (_NoCompileHook, (self.hook,))
 
 
 class TorchBackend(Backend):
@@ -253,6 +308,19 @@ class TorchBackend(Backend):
         return torch_ckpt.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn,
                                      **options, **kwargs)
 
+    def compiling(self) -> bool:
+        return torch.compiler.is_compiling()
+
+    def run_eagerly(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return torch.compiler.disable(fn)(*args, **kwargs)
+
+    def run_compiled_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
+                                policy_fn: Optional[Callable[..., Any]], options: dict) -> Any:
+        if policy_fn is None:  # dynamo recognises the default context_fn only when none is passed
+            return torch_ckpt.checkpoint(function, *args, use_reentrant=False, **options, **kwargs)
+        return torch_ckpt.checkpoint(function, *args, use_reentrant=False,
+                                     context_fn=functools.partial(_compiled_contexts, policy_fn), **options, **kwargs)
+
     def check_checkpoint_options(self, options: dict, selective: bool) -> None:
         if options.get("debug") and selective:
             raise ValueError("checkpoint: debug=True cannot be combined with policy_fn (PyTorch's debug "
@@ -318,7 +386,18 @@ class TorchBackend(Backend):
     def has_buffers(self, module: torch.nn.Module) -> bool:
         return next(module.buffers(), None) is not None
 
-    def check_selective_owner(self, module: torch.nn.Module) -> None:
+    def check_region_owner(self, module: torch.nn.Module, selective: bool) -> None:
+        if _shim.is_compiled_module(module):
+            # Inside code compiled by torch.compile, PyTorch disables saved-tensor hooks and a
+            # dispatch mode sees only the compiled kernels: nothing could be kept or swapped.
+            raise ValueError(
+                f"{type(module).__name__} is a torch.compile'd module: a selective policy, swap_inputs or "
+                "swap_wrapper cannot act inside compiled code (PyTorch disables saved-tensor hooks there). "
+                "Wrap the original layers first and compile afterwards (torch.compile(model), or "
+                "layer.compile() in place); whole-layer recompute (checkpoint_wrapper without policy_fn) "
+                "of a compiled block works.")
+        if not selective:
+            return
         # FSDP2 units inside a selective region run their all-gather/reshard hooks differently in
         # forward and in recompute, which a selective policy cannot replay: say so plainly.
         fsdp = _shim.fsdp_module_class()
@@ -333,7 +412,8 @@ class TorchBackend(Backend):
 
     def register_forward_hooks(self, module: torch.nn.Module, pre: Callable[..., None],
                                post: Callable[..., None]) -> List[Any]:
-        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
+        return [module.register_forward_pre_hook(_NoCompileHook(pre)),
+                module.register_forward_hook(_NoCompileHook(post), always_call=True)]
 
     def register_grad_hook(self, t: torch.Tensor, fn: Callable[[Any], None]) -> None:
         t.register_hook(fn)
