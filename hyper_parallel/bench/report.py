@@ -168,7 +168,8 @@ def _save(fig: Any, path: str) -> None:
 _COLORS = {"baseline": "tab:gray", "peer": "tab:orange", "ours": "tab:blue"}
 
 
-def bar_chart(path: str, rows: Mapping[str, Mapping[str, Any]], title: str) -> None:
+def bar_chart(path: str, rows: Mapping[str, Mapping[str, Any]], title: str,
+              time_label: str = "median step (ms)") -> None:
     """Three panels per row name: peak memory, median step time, bytes moved per step. Each row
     has ``who``, ``peak_bytes``, ``step_time_s`` and ``bytes_moved_per_step`` (``d2h``, ``h2d``)."""
     plt = _plt()
@@ -178,7 +179,7 @@ def bar_chart(path: str, rows: Mapping[str, Mapping[str, Any]], title: str) -> N
     xs = list(range(len(names)))
     panels = [
         ("peak device memory (MiB)", [rows[n]["peak_bytes"] / MiB for n in names]),
-        ("median step (ms)", [(rows[n]["step_time_s"] or 0) * 1e3 for n in names]),
+        (time_label, [(rows[n]["step_time_s"] or 0) * 1e3 for n in names]),
         ("moved per step, D2H+H2D (MiB)",
          [(rows[n]["bytes_moved_per_step"]["d2h"] + rows[n]["bytes_moved_per_step"]["h2d"]) / MiB for n in names]),
     ]
