@@ -431,16 +431,13 @@ def run_sweep(args, device: torch.device, dtype: torch.dtype) -> int:
             growth[n] = series[-1] / series[0]
     for title, key, scale in (("peak above params+buffers, MiB", "peak_above_static_bytes", 1 / MiB),
                               ("median fwd+bwd step, ms", "step_time_s", 1e3)):
+        peak = key.startswith("peak")
         print(f"{title} ({args.sweep} = {', '.join(str(v) for v in values)})")
-        w = max(len(n) for n in present) + 2
-        print("".ljust(w) + "".join(f"{v:>10}" for v in values) + ("      growth" if key.startswith("peak") else ""))
-        for n in present:
-            cells = []
-            for p in points:
-                r = p["results"].get(n)
-                cells.append(f"{r[key] * scale:>10.1f}" if r and r[key] is not None else f"{'-':>10}")
-            extra = f"{growth[n]:>11.2f}x" if key.startswith("peak") and n in growth else ""
-            print(n.ljust(w) + "".join(cells) + extra)
+        rows = [[n] + [_fmt(r[key] * scale if r and r[key] is not None else None)
+                       for r in (p["results"].get(n) for p in points)]
+                + ([_fmt(growth.get(n), "%.2fx")] if peak else []) for n in present]
+        header = ["variant"] + [str(v) for v in values] + (["growth"] if peak else [])
+        print(report.table(header, rows, align="l" + "r" * (len(header) - 1)))
     bad = sorted({f"{n}@{p['value']}" for p in points for n, r in p["results"].items()
                   if r["loss_equal_to_none"] is False})
     if bad:
