@@ -143,13 +143,8 @@ def wrap_gpt_layers(model: nn.Module, chain: bool = True) -> None:
         else:
             ac.swap_wrapper(layer)
     if chain:
+        from hyper_parallel.bench.modes import chain_layers
         chain_layers(model.layers)
-
-
-def chain_layers(layers: Sequence[nn.Module]) -> None:
-    ac = _api()
-    for i in range(len(layers) - 1):
-        ac.SwapManager().set_forward_prefetch_layer(layers[i], layers[i + 1])
 
 
 def gpt_reference(steps: Sequence[int]) -> Dict[str, torch.Tensor]:
@@ -359,6 +354,7 @@ def scenario_fault_ddp(rank: int, world: int) -> Dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             if step == 2:
                 ac.SwapManager().reset()
+                from hyper_parallel.bench.modes import chain_layers
                 chain_layers(model.layers)
             out["after_abort"].append({"step": step, "counts": group_tensor_counts(), **swap_summary()})
     out["max_diff"] = max_diff(model.state_dict(), gpt_reference([0, 1, 2]))
