@@ -63,7 +63,8 @@ def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None, 
       group of :class:`SwapManager` (offloaded when the group is). A ``bool`` or a
       ``torch.utils.checkpoint.CheckpointPolicy`` answer is accepted too. ``policy_fn`` may also be
       a list of ``OpOverload`` s (MUST_SAVE for those, PREFER_RECOMPUTE for the rest).
-      Ops that mutate an argument or draw random numbers always re-run, without asking the policy.
+      Ops that mutate an argument always re-run, without asking the policy; ops that draw random
+      numbers (dropout, attention) follow it, and a kept one leaves the generator where forward did.
     - ``swap_inputs=True``: the inputs that checkpoint keeps are swap candidates too.
 
     The keyword arguments ``preserve_rng_state``, ``determinism_check``, ``debug`` and
