@@ -15,7 +15,7 @@ Examples::
 
 Exit status: 0 when every mode ran and matched the baseline, 1 when a worker
 failed, 2 when a mode's losses differ from the baseline, 3 (only with
-``--strict``) when a memory ordering of SPEC section 5 does not hold.
+``--strict``) when an expected peak-memory ordering (none > save > recompute, swap ~ recompute) does not hold.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from hyper_parallel.bench.timing import median
 _PROGRESS_TAG = "@@hyper_parallel.bench.progress"
 _RESULT_TAG = "@@hyper_parallel.bench.result "
 _DTYPES = ("float32", "bfloat16", "float16")
-# Loss tolerance off CPU (SPEC invariant 1); on CPU losses must be bitwise equal.
+# Loss tolerance off CPU; on CPU losses must be bitwise equal.
 LOSS_ATOL = 1e-5
 
 
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.set_num_threads for each worker (default: torch's own choice)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per mode (default 1800)")
     p.add_argument("--strict", action="store_true",
-                   help="exit 3 when an expected memory ordering (SPEC section 5) does not hold")
+                   help="exit 3 when an expected memory ordering does not hold")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--worker", metavar="MODE", default=None, help=argparse.SUPPRESS)
     return p
@@ -320,7 +320,8 @@ def losses_match(losses: Sequence[float], baseline: Sequence[float], exact: bool
 
 
 def memory_checks(results: List[Dict[str, Any]], swap_wrapper: bool) -> List[Dict[str, Any]]:
-    """The peak-memory orderings SPEC section 5 expects, evaluated on ``results``."""
+    """The peak-memory orderings the RFC expects (none > save > recompute, swap ~ recompute), evaluated
+    on ``results``."""
     peak = {r["mode"]: r["peak_bytes"] for r in results if "error" not in r}
     checks: List[Dict[str, Any]] = []
 

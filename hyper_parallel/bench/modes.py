@@ -5,7 +5,7 @@ Each entry of ``RECIPES`` is a :class:`Recipe`: a name, who provides it (``basel
 apply it to a model with ``.layers`` (items with ``.attn`` and ``.mlp``); read them as recipes.
 The benchmarks pick their rows from it:
 
-* ``python -m hyper_parallel.bench`` (``MODES``, the SPEC's section 5, and with ``--swap-wrapper``
+* ``python -m hyper_parallel.bench`` (``MODES``, the RFC's seven modes, and with ``--swap-wrapper``
   ``SWAP_WRAPPER_MODES``) under short mode names (``MODE_RECIPES``, ``SWAP_WRAPPER_RECIPES``);
 * ``benchmarks/compare_peers.py``: ``PEER_VARIANTS`` by default, any recipe by name;
 * ``benchmarks/recompute_vs_torch.py``: ``RECOMPUTE_VS_TORCH``.
@@ -388,7 +388,7 @@ RECIPES: Dict[str, Recipe] = {r.name: r for r in [
            _attn_swap(True), offloads=True),
 ]}
 
-#: ``python -m hyper_parallel.bench`` mode -> recipe (checkpoint_wrapper modes, SPEC section 5).
+#: ``python -m hyper_parallel.bench`` mode -> recipe (the RFC's checkpoint_wrapper modes).
 MODE_RECIPES: Dict[str, str] = {
     "none": "none", "recompute": "ours_recompute", "funcrecompute": "ours_funcrecompute", "save": "ours_save",
     "funcsave": "ours_funcsave", "swap": "ours_ckpt_swap", "funcswap": "ours_funcswap"}
