@@ -296,7 +296,8 @@ def run_overhead(names: Sequence[str], *, blocks: int, dim: int, hidden: int, ba
         a, b = rows[ours], rows[peer]
         ratio = a["median_s"] / b["median_s"] if b["median_s"] else None
         k = a["moved"]["tensors"]
-        pairs.append({"ours": ours, "peer": peer, "ratio": ratio, "target": target,
+        ratio_min = a["min_s"] / b["min_s"] if b["min_s"] else None
+        pairs.append({"ours": ours, "peer": peer, "ratio": ratio, "ratio_of_min": ratio_min, "target": target,
                       "met": None if target is None or ratio is None else ratio <= target,
                       "tensors_ours": k, "tensors_peer": b["moved"]["tensors"],
                       "us_per_tensor": ((a["median_s"] - b["median_s"]) / k * 1e6) if k else None})
