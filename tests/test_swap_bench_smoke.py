@@ -50,7 +50,8 @@ def test_copying_peers_are_bitwise_exact_and_count_what_they_copy():
     sac = ByteCounter()
     m = SmallOpsNet(blocks=3, dim=8, hidden=16)
     for i, b in enumerate(m.layers):
-        m.layers[i] = HooksLayer(b, lambda: CopyHooks(sac), context_fn=lambda: sac_host_copy_contexts(_torch_policy, sac))
+        m.layers[i] = HooksLayer(b, lambda: CopyHooks(sac),
+                                 context_fn=lambda: sac_host_copy_contexts(_torch_policy, sac))
     m(x).backward()
     assert all(torch.equal(a, b) for a, b in zip(_grads(m), want))
     # per block: the input (outer hooks) and both addmm outputs (the cache) copied out
@@ -105,7 +106,8 @@ def test_swap_memory_tiny(tmp_path):
             assert set(r["phases"]) == {"forward", "backward", "optimizer"}
             assert r["peak_bytes"] == max(p["peak"] for p in r["phases"].values()) > 0
             assert r["loss"] == res["results"]["none"]["loss"], (name, mode)
-        assert res["results"]["recompute"]["phases"]["forward"]["end"] < res["results"]["none"]["phases"]["forward"]["end"]
+        after_fwd = {m: r["phases"]["forward"]["end"] for m, r in res["results"].items()}
+        assert after_fwd["recompute"] < after_fwd["none"]
         assert res["bound"]["lower_bound_bytes"] > res["bound"]["static_bytes"]
         assert len(res["targets"]) == 4
         assert f"[{name}]" in proc.stdout

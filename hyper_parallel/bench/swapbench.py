@@ -160,10 +160,11 @@ def _v_ours_ckpt_swap(model):
 OVERHEAD_VARIANTS: Dict[str, OverheadVariant] = {v.name: v for v in [
     OverheadVariant("none", "baseline", "no wrapper", _v_none),
     OverheadVariant("save_on_cpu", "peer", "torch.autograd.graph.save_on_cpu(pin_memory=False) per block: on CPU "
-                                           "tensor.cpu() returns the tensor itself, so nothing is copied", _v_save_on_cpu),
+                                           "tensor.cpu() returns the tensor itself, so nothing is copied",
+                    _v_save_on_cpu),
     OverheadVariant("copy_hooks", "peer", "saved_tensors_hooks per block copying every saved tensor (parameters "
-                                          "too) out (torch.empty_like + copy_) and back (clone): save_on_cpu off-device",
-                    _v_copy_hooks),
+                                          "too) out (torch.empty_like + copy_) and back (clone): save_on_cpu "
+                                          "off-device", _v_copy_hooks),
     OverheadVariant("ours_swap_wrapper", "ours", "wrap_layers(blocks, swap=True): swap_wrapper per block, chained; "
                                                  "every saved activation offloaded (parameters kept, last block "
                                                  "not offloaded)", _v_ours_swap_wrapper, swaps=True),
@@ -220,7 +221,7 @@ def _grads(model: nn.Module) -> List[Optional[torch.Tensor]]:
 
 
 def run_overhead(names: Sequence[str], *, blocks: int, dim: int, hidden: int, batch: int, rounds: int,
-                 warmup: int, seed: int = 0, log: Callable[[str], None] = print) -> Dict[str, Any]:
+                 warmup: int, seed: int = 0) -> Dict[str, Any]:
     """Every variant of ``names`` on its own copy of one :class:`SmallOpsNet`, the same input.
 
     Per variant: ``warmup`` steps, one untimed counting step (tensors and bytes copied out and
