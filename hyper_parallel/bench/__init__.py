@@ -11,6 +11,10 @@
 * :mod:`hyper_parallel.bench.runner`: variants side by side in one process
   (``benchmarks/compare_peers.py``, ``benchmarks/recompute_vs_torch.py``);
 * :mod:`hyper_parallel.bench.trace`: Chrome traces and copy-engine figures;
+* :mod:`hyper_parallel.bench.postln`: a post-LN ``nn.MultiheadAttention`` transformer with the GPT's
+  interface (every recipe applies to it);
+* :mod:`hyper_parallel.bench.swapbench`: per-tensor swap overhead on a many-small-ops model and peak
+  memory per phase of a step (``benchmarks/swap_overhead.py``, ``benchmarks/swap_memory.py``);
 * ``python -m hyper_parallel.bench`` (or ``hyper-parallel-bench``): compares the
   modes, each in its own subprocess, on peak memory, step time and losses.
 """

@@ -35,7 +35,8 @@ __all__ = [
     "Recipe", "RECIPES", "MODES", "SWAP_WRAPPER_MODES", "MODE_RECIPES", "SWAP_WRAPPER_RECIPES",
     "PEER_VARIANTS", "RECOMPUTE_VS_TORCH", "DEFAULT_SWAP_THRESHOLD_BYTES", "MATMUL_OPS",
     "save_matmuls", "swap_matmuls", "swap_if_at_least", "chain_layers",
-    "apply_variant", "apply_mode", "apply_swap_wrapper_mode", "ByteCounter",
+    "apply_variant", "apply_mode", "apply_swap_wrapper_mode", "ByteCounter", "CopyHooks",
+    "sac_host_copy_contexts", "HooksLayer", "TorchCheckpointLayer",
 ]
 
 # On the bench's default model (batch 4, seq 256, heads 4, dim 128, float32)
@@ -157,33 +158,139 @@ class TorchCheckpointLayer(nn.Module):
         self.context_fn = (functools.partial(torch_ckpt.create_selective_checkpoint_contexts, _torch_policy)
                            if selective else torch_ckpt.noop_context_fn)
 
-    def forward(self, x, *, mask):
-        return torch.utils.checkpoint.checkpoint(self.inner, x, mask=mask, use_reentrant=False,
-                                                 context_fn=self.context_fn)
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False,
+                                                 context_fn=self.context_fn, **kwargs)
 
 
 class HooksLayer(nn.Module):
-    """Run a layer (optionally checkpointed) under a ``saved_tensors_hooks`` context."""
+    """Run a layer (optionally checkpointed, with ``context_fn`` for PyTorch's selective
+    checkpoint) under a ``saved_tensors_hooks`` context made by ``hooks()``."""
 
-    def __init__(self, inner: nn.Module, hooks: Callable[[], Any], checkpointed: bool = False) -> None:
+    def __init__(self, inner: nn.Module, hooks: Callable[[], Any], checkpointed: bool = False,
+                 context_fn: Optional[Callable[[], Any]] = None) -> None:
         super().__init__()
         self.inner = inner
         self.hooks = hooks
-        self.checkpointed = checkpointed
+        self.checkpointed = checkpointed or context_fn is not None
+        self.context_fn = context_fn or torch.utils.checkpoint.noop_context_fn
 
-    def forward(self, x, *, mask):
+    def forward(self, *args, **kwargs):
         with self.hooks():
             if self.checkpointed:
-                return torch.utils.checkpoint.checkpoint(self.inner, x, mask=mask, use_reentrant=False)
-            return self.inner(x, mask=mask)
+                return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False,
+                                                         context_fn=self.context_fn, **kwargs)
+            return self.inner(*args, **kwargs)
 
 
 @dataclass
 class ByteCounter:
-    """Bytes a peer moved, device to host (``d2h``) and back (``h2d``)."""
+    """Bytes a peer moved, device to host (``d2h``) and back (``h2d``), and how many tensors it
+    copied out (``tensors``; counted by :class:`CopyHooks` and :func:`sac_host_copy_contexts`)."""
 
     d2h: int = 0
     h2d: int = 0
+    tensors: int = 0
+
+
+class CopyHooks(torch.autograd.graph.saved_tensors_hooks):
+    """A ``saved_tensors_hooks`` pair that copies every saved tensor out and back: what
+    ``torch.autograd.graph.save_on_cpu`` does off-device, made to copy on a CPU-only machine too.
+
+    Pack: a new tensor of the same size, dtype and strides (``torch.empty_like`` + ``copy_``, as
+    ``tensor.cpu()`` makes the host copy in ``save_on_cpu(pin_memory=False)``), whatever the tensor
+    is (parameters included, as ``save_on_cpu`` does). Unpack: a copy of that (``clone``, as
+    ``.to(device)`` makes a new device tensor). Both count into ``counter`` (``tensors`` and ``d2h`` on pack, ``h2d`` on
+    unpack); with ``mark`` the host copy is marked as host memory (``mark_host``) for the CPU
+    memory meter, right after its allocation. Nothing is pinned (CPU)."""
+
+    def __init__(self, counter: ByteCounter, mark: bool = False) -> None:
+        mark_host = None
+        if mark:
+            from hyper_parallel.tools.memory import mark_host
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty_like(t)
+            if mark_host is not None:
+                mark_host(host)
+            host.copy_(t)
+            counter.tensors += 1
+            counter.d2h += host.numel() * host.element_size()
+            return host
+
+        def unpack(host: torch.Tensor) -> torch.Tensor:
+            counter.h2d += host.numel() * host.element_size()
+            return host.clone()
+
+        super().__init__(pack, unpack)
+
+
+class _HostCopyEntries(dict):
+    """One op's entries of PyTorch's selective-checkpoint cache, held as host copies: a cached
+    output is copied out when the forward stores it and copied back when the recompute takes it."""
+
+    def __init__(self, counter: ByteCounter, mark: bool) -> None:
+        super().__init__()
+        self._counter = counter
+        self._mark = mark
+
+    def _map(self, entry: Any, out: bool) -> Any:
+        from torch.utils._pytree import tree_map
+
+        def copy_one(w: Any) -> Any:
+            val = getattr(w, "val", None)
+            if not isinstance(val, torch.Tensor) or not hasattr(w, "get_val"):
+                return w  # a sentinel (recompute, consumed) or a non-tensor output
+            nbytes = val.numel() * val.element_size()
+            if out:
+                host = torch.empty_like(val)
+                if self._mark:
+                    from hyper_parallel.tools.memory import mark_host
+
+                    mark_host(host)
+                host.copy_(val)
+                self._counter.tensors += 1
+                self._counter.d2h += nbytes
+                return type(w)(host)
+            self._counter.h2d += nbytes
+            return type(w)(val.clone())
+
+        return tree_map(copy_one, entry)
+
+    def __setitem__(self, idx: Any, entry: Any) -> None:
+        super().__setitem__(idx, self._map(entry, out=True))
+
+    def get(self, idx: Any, default: Any = None) -> Any:
+        entry = super().get(idx, default)
+        return entry if entry is default else self._map(entry, out=False)
+
+
+class _HostCopyStorage(dict):
+    def __init__(self, counter: ByteCounter, mark: bool) -> None:
+        super().__init__()
+        self._counter = counter
+        self._mark = mark
+
+    def __missing__(self, key: Any) -> _HostCopyEntries:
+        entries = self[key] = _HostCopyEntries(self._counter, self._mark)
+        return entries
+
+
+def sac_host_copy_contexts(policy_fn: Callable, counter: ByteCounter, mark: bool = False) -> Tuple[Any, Any]:
+    """``torch.utils.checkpoint.create_selective_checkpoint_contexts(policy_fn)`` whose cache holds
+    host copies: every output the policy saves is copied out (``torch.empty_like`` + ``copy_``)
+    when the forward caches it and copied back (``clone``) when the recompute takes it, counted in
+    ``counter`` (and marked as host memory with ``mark``). This is what an offloading selective
+    checkpoint does off-device: an outer ``save_on_cpu`` does not see these outputs (PyTorch keeps
+    them in the selective-checkpoint cache, not as saved tensors), so without this they would stay
+    on the device. Relies on both contexts keeping the cache as ``.storage`` (PyTorch 2.4+)."""
+    caching, cached = torch.utils.checkpoint.create_selective_checkpoint_contexts(policy_fn)
+    if not (hasattr(caching, "storage") and hasattr(cached, "storage")):
+        raise RuntimeError(f"torch {torch.__version__}: the selective-checkpoint contexts keep no .storage; "
+                           "the host-copying peer cannot be built")
+    storage = _HostCopyStorage(counter, mark)
+    caching.storage = cached.storage = storage
+    return caching, cached
 
 
 def count_hooks(hooks: Any, counter: ByteCounter, *, model_device_on_cpu: bool) -> Any:
