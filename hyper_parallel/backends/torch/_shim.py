@@ -12,7 +12,13 @@ except ImportError:  # a build without torch.distributed
     _FSDPModule = None
 
 __all__ = ["storage_key", "version", "storage_use_count", "in_backward", "detach_keeping_version", "pipeline_stages",
-           "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class"]
+           "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class", "innermost_saved_tensors_hooks",
+           "collective_namespace"]
+
+# Namespaces of PyTorch's functional collectives (and their waits): ops that communicate.
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
+# Ops of those namespaces that do not communicate.
+_NOT_COMMUNICATING = frozenset({"_wrap_tensor_autograd"})
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -80,3 +86,23 @@ def fsdp_module_class() -> Any:
     """``FSDPModule`` (the class ``fully_shard`` mixes into a module), or ``None`` on a build
     without ``torch.distributed``."""
     return _FSDPModule
+
+
+def innermost_saved_tensors_hooks() -> Any:
+    """The ``(pack, unpack)`` pair of the innermost saved-tensor hooks active now, or ``None``.
+    Inside a non-reentrant checkpoint's forward these are the checkpoint's own hooks (its frame
+    is private); a recompute session wraps them so that one recomputation can serve the halves of
+    a split backward. PyTorch has no public accessor for the hooks stack."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(True) if top is not None else None
+
+
+def collective_namespace(op: Any) -> bool:
+    """Whether ``op`` (an ``OpOverload``) is a functional collective or its wait: its namespace
+    is one of PyTorch's functional-collective libraries. ``OpOverload.namespace`` is public; the
+    namespace names themselves are PyTorch internals."""
+    namespace = getattr(op, "namespace", None)
+    if namespace not in _COLLECTIVE_NAMESPACES:
+        return False
+    name = getattr(op, "_opname", None) or str(op).split(".")[1]
+    return name not in _NOT_COMMUNICATING
