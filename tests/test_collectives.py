@@ -119,6 +119,26 @@ def test_must_recompute_reruns_the_collective_and_its_wait(policy, plain):
     assert bwd[ALL_REDUCE] == 1 and bwd[WAIT] == 1
 
 
+def test_only_the_wait_follows_a_rerun_collective():
+    """all_reduce MUST_RECOMPUTE, then an all_gather of its (waited) result: the wait re-runs
+    with the all_reduce, the all_gather is still kept."""
+    group = dist.group.WORLD.group_name
+    gather = c10d.all_gather_into_tensor.default
+
+    def region(x, w):
+        h = c10d.wait_tensor(c10d.all_reduce(x @ w, "sum", group))
+        g = c10d.wait_tensor(c10d.all_gather_into_tensor(h, 2, group))
+        return F.gelu(g)
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    with OpCounter() as plain:
+        region(x, w).sum().backward()
+    with OpCounter() as counter:
+        checkpoint(region, x, w, policy_fn=must_recompute_all_reduce).sum().backward()
+    extra = {op: counter.counts[op] - plain.counts[op] for op in (ALL_REDUCE, WAIT, gather)}
+    assert extra == {ALL_REDUCE: 1, WAIT: 1, gather: 0}
+
+
 def test_whole_region_recompute_reruns_collectives_unless_given_the_helper(plain):
     _, bwd, grads = run(None)
     _same_grads(grads, plain[2])
@@ -137,9 +157,10 @@ def test_helper_works_with_pytorchs_own_selective_checkpoint(plain):
 
 def test_classification():
     kind = active_backend().op_kind
-    for op in (ALL_REDUCE, WAIT, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
+    for op in (ALL_REDUCE, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
                c10d.all_to_all_single.default, torch.ops._c10d_functional_autograd.all_gather_into_tensor.default):
         assert kind(op) is OpKind.COLLECTIVE, op
+    assert kind(WAIT) is OpKind.WAIT
     assert kind(c10d.all_reduce_.default) is OpKind.MUTATING  # in place: re-run like every write
     assert kind(c10d._wrap_tensor_autograd.default) is OpKind.PLAIN
     assert kind(aten.mm.default) is OpKind.PLAIN

@@ -46,7 +46,8 @@ class OpKind(enum.Enum):
     MACHINERY = "machinery"  # issued by the checkpoint implementation itself: always re-run, never logged
     MUTATING = "mutating"    # writes to an argument: always re-run (replaying its output cannot replay the write)
     RANDOM = "random"        # draws random numbers: see Backend.rng_replayable
-    COLLECTIVE = "collective"  # communicates (a collective or its wait): kept unless MUST_RECOMPUTE
+    COLLECTIVE = "collective"  # communicates: kept unless the policy answers MUST_RECOMPUTE
+    WAIT = "wait"            # waits for a collective's result: as COLLECTIVE, and re-runs with a re-run collective
 
 
 class Backend(abc.ABC):

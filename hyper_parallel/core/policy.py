@@ -184,7 +184,7 @@ def keep_collectives(policy_fn: Any = None) -> Callable[..., Any]:
 
     def keep_collectives_policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> Any:
         answer = False if inner is None else inner(ctx, op, *args, **kwargs)
-        if b.op_kind(op) is not OpKind.COLLECTIVE:
+        if b.op_kind(op) not in (OpKind.COLLECTIVE, OpKind.WAIT):
             return answer
         if normalize_policy(answer, op, b.convert_policy) is CheckpointPolicy.PREFER_RECOMPUTE:
             return True

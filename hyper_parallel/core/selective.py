@@ -121,10 +121,10 @@ class SelectiveRegion:
       replays the RNG in recompute; when such an op is kept and drew numbers in forward,
       recompute leaves the generator exactly where the forward left it after the op, so later
       random ops draw the same numbers. Where the RNG cannot be replayed they are always kept.
-    - ops that communicate (``OpKind.COLLECTIVE``: functional collectives and their waits) are
-      kept unless the policy answers ``MUST_RECOMPUTE``: ``PREFER_RECOMPUTE`` (and ``False``)
-      keep them (SAVE), SAVE / SWAP answers are honoured. An op of that kind reading the output
-      of a collective that does re-run (the wait of a recomputed all-reduce) re-runs with it.
+    - ops that communicate (``OpKind.COLLECTIVE``) and their waits (``OpKind.WAIT``) are kept
+      unless the policy answers ``MUST_RECOMPUTE``: ``PREFER_RECOMPUTE`` (and ``False``) keep
+      them (SAVE), SAVE / SWAP answers are honoured. A wait for a collective that does re-run
+      re-runs with it, whatever the policy says (an issued collective is always waited).
     - while a sub-module excluded from recomputation runs (``checkpoint_exclude_wrapper``), and
       while recomputation hands back its outputs, the region is ``suspended``: those ops run
       without being logged or replayed.
@@ -147,7 +147,7 @@ class SelectiveRegion:
         self._ctx_recompute = SelectiveCheckpointContext(is_recompute=True)
         self.policy_error: Optional[BaseException] = None
         self.suspended = 0  # > 0 while an excluded sub-module runs inside the region's forward
-        # Storage ids of the outputs of collectives that re-run: what reads them re-runs too.
+        # Storage ids of the outputs of collectives that re-run: their waits re-run too.
         self._rerun_collectives: Set[int] = set()
 
     # ------------------------------------------------------------------ dispatch entry points
@@ -164,15 +164,15 @@ class SelectiveRegion:
             return out
         b = self._b
         key = b.op_key(func)
-        if kind is OpKind.COLLECTIVE:
+        if kind is OpKind.COLLECTIVE or kind is OpKind.WAIT:
             out = _run(func, args, kwargs)
-            if self._reads_rerun_collective(args, kwargs):
+            if kind is OpKind.WAIT and self._reads_rerun_collective(args, kwargs):
                 decision = Decision.RECOMPUTE
                 self._keep(key, decision, out, asked=False)
             else:
                 decision = self._ask(self._ctx_forward, func, key, args, kwargs, out, collective=True)
                 self._keep(key, decision, out)
-            if decision is Decision.RECOMPUTE:
+            if decision is Decision.RECOMPUTE and kind is OpKind.COLLECTIVE:
                 self._rerun_collectives.update(b.storage_id(t) for t in b.tree_leaves(out) if b.is_tensor(t))
             return out
         if kind is OpKind.RANDOM:
@@ -203,7 +203,7 @@ class SelectiveRegion:
         index, kept, ask = self.log.next_call(key, key)
         if ask:
             decision = self._ask(self._ctx_recompute, func, key, args, kwargs,
-                                 collective=kind is OpKind.COLLECTIVE)
+                                 collective=kind is OpKind.COLLECTIVE or kind is OpKind.WAIT)
             self.log.check(key, index, decision, key)
         if kept is RECOMPUTE:
             return _run(func, args, kwargs)

@@ -13,7 +13,7 @@ except ImportError:  # a build without torch.distributed
 
 __all__ = ["storage_key", "version", "storage_use_count", "in_backward", "detach_keeping_version", "pipeline_stages",
            "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class", "innermost_saved_tensors_hooks",
-           "collective_namespace"]
+           "functional_collective"]
 
 # Namespaces of PyTorch's functional collectives (and their waits): ops that communicate.
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
@@ -97,12 +97,14 @@ def innermost_saved_tensors_hooks() -> Any:
     return top(True) if top is not None else None
 
 
-def collective_namespace(op: Any) -> bool:
-    """Whether ``op`` (an ``OpOverload``) is a functional collective or its wait: its namespace
-    is one of PyTorch's functional-collective libraries. ``OpOverload.namespace`` is public; the
-    namespace names themselves are PyTorch internals."""
-    namespace = getattr(op, "namespace", None)
-    if namespace not in _COLLECTIVE_NAMESPACES:
-        return False
+def functional_collective(op: Any) -> Any:
+    """``"wait"`` if ``op`` (an ``OpOverload``) waits for a functional collective
+    (``wait_tensor``), ``"collective"`` if it is one, else ``None``: its namespace is one of
+    PyTorch's functional-collective libraries. ``OpOverload.namespace`` is public; the namespace
+    and op names themselves are PyTorch internals."""
+    if getattr(op, "namespace", None) not in _COLLECTIVE_NAMESPACES:
+        return None
     name = getattr(op, "_opname", None) or str(op).split(".")[1]
-    return name not in _NOT_COMMUNICATING
+    if name in _NOT_COMMUNICATING:
+        return None
+    return "wait" if name == "wait_tensor" else "collective"

@@ -320,8 +320,9 @@ class TorchBackend(Backend):
         schema = getattr(op, "_schema", None)
         if schema is not None and schema.is_mutable:
             return OpKind.MUTATING  # in-place collectives too: replaying an output cannot replay a write
-        if _shim.collective_namespace(op):
-            return OpKind.COLLECTIVE
+        collective = _shim.functional_collective(op)
+        if collective is not None:
+            return OpKind.WAIT if collective == "wait" else OpKind.COLLECTIVE
         if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
             return OpKind.RANDOM
         return OpKind.PLAIN
