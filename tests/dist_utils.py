@@ -661,6 +661,12 @@ def _run_zero_bubble(rank: int, world: int, kind: str, wrap: Optional[str], adap
         ac.pipeline_recompute(schedule)
     elif adapter == "swap":
         ac.pipeline_swap(schedule, prefetch=1)
+    twice = None
+    if adapter is not None:  # the two adapters are exclusive (pipeline_swap includes the sessions)
+        try:
+            (ac.pipeline_swap if adapter == "recompute" else ac.pipeline_recompute)(schedule)
+        except ValueError as exc:
+            twice = str(exc)
     params = [p for m in mods for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=LR)
     gelu_per_step: List[Dict[int, int]] = []
@@ -688,7 +694,7 @@ def _run_zero_bubble(rank: int, world: int, kind: str, wrap: Optional[str], adap
     state = {f"{i}.{k}": v for i, m in zip(indices, mods) for k, v in m.state_dict().items()}
     mgr = ac.SwapManager()
     return {
-        "kind": kind, "wrap": wrap, "adapter": adapter, "stages": indices,
+        "kind": kind, "wrap": wrap, "adapter": adapter, "stages": indices, "second_adapter_error": twice,
         "max_diff": max_diff(state, ref_state),
         "gelu_per_step": gelu_per_step,  # per stage index: forward + recomputations
         "live_bytes_after_step": live_after,

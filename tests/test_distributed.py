@@ -202,6 +202,8 @@ def test_zero_bubble_frees_what_the_weight_half_needed(dist_results):
             assert res["host_in_use_bytes"] == 0, (rank, name, res)
             if res["adapter"] == "swap":
                 assert res["offloaded_bytes"] > 0, (rank, name, res)
+            if res["adapter"] is not None:
+                assert "already has pipeline_swap or pipeline_recompute" in res["second_adapter_error"], res
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,6 +386,8 @@ def test_schedule_misuse_is_an_error():
 
 
 def test_pipeline_swap_rejects_non_schedules():
-    from hyper_parallel.core.activation_checkpoint import pipeline_swap
+    from hyper_parallel.core.activation_checkpoint import pipeline_recompute, pipeline_swap
     with pytest.raises(TypeError, match="schedule"):
         pipeline_swap(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="schedule"):
+        pipeline_recompute(torch.nn.Linear(2, 2))

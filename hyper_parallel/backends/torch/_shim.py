@@ -62,7 +62,7 @@ def pipeline_stages(schedule: Any) -> List[Any]:
         stages = [stage] if stage is not None else None
     if not stages:
         raise TypeError(
-            f"pipeline_swap expects a torch.distributed.pipelining schedule (ScheduleGPipe, "
+            f"pipeline_swap and pipeline_recompute expect a torch.distributed.pipelining schedule (ScheduleGPipe, "
             f"Schedule1F1B, ...) built on its PipelineStage(s), got {type(schedule).__name__}.")
     return list(stages)
 

@@ -242,14 +242,14 @@ def abort_pipeline_step(schedule: Any) -> None:
         raise first_error
 
 
-def _adapt(schedule: Any, scheds: Dict[int, Optional[MicrobatchSwapSchedule]], what: str) -> Any:
+def _adapt(schedule: Any, scheds: Dict[int, MicrobatchSwapSchedule]) -> Any:
     stages = _stages_of(schedule)
     for stage in stages:
         stage.__class__ = _subclass(_make_stage_class, type(stage))
         stage._hp_swap = scheds.get(stage.stage_index)
         stage._hp_sessions = {}
     schedule.__class__ = _subclass(_make_schedule_class, type(schedule))
-    schedule.hp_swap_schedules = {k: v for k, v in scheds.items() if v is not None}
+    schedule.hp_swap_schedules = dict(scheds)
     return schedule
 
 
@@ -281,7 +281,7 @@ def pipeline_recompute(schedule: Any) -> Any:
     ``pipeline_recompute`` when nothing is swapped.
     """
     _check_not_adapted(schedule, "pipeline_recompute")
-    return _adapt(schedule, {}, "pipeline_recompute")
+    return _adapt(schedule, {})
 
 
 def pipeline_swap(schedule: Any, prefetch: int = 1, prefix: str = "pp", measure: bool = False) -> Any:
@@ -315,4 +315,4 @@ def pipeline_swap(schedule: Any, prefetch: int = 1, prefix: str = "pp", measure:
     scheds = {stage.stage_index: MicrobatchSwapSchedule(manager, f"{prefix}{stage.stage_index}.", prefetch,
                                                         measure_bytes=measure)
               for stage in stages}
-    return _adapt(schedule, scheds, "pipeline_swap")
+    return _adapt(schedule, scheds)
