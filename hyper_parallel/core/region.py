@@ -9,7 +9,8 @@ from typing import Any, Callable, Optional, Tuple
 from .backend import Backend, active_backend
 from .packer import SwapPacker, parameter_storages
 from .policy import as_policy_fn
-from .region_state import region_flags
+from .recompute_session import SessionBoxes
+from .region_state import RegionFrame, region_flags
 from .selective import SelectiveRegion
 from .storage import Storage
 from .swap_manager import SwapManager
@@ -122,6 +123,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None, 
     elif owner is not None and b.has_buffers(owner):
         # Recomputation must not update buffers (BatchNorm's running statistics) a second time.
         region = SelectiveRegion(b, None, storage_factory, whole=True)
+    frame = RegionFrame(region, SessionBoxes() if b.recompute_sessions else None)
 
     hooks: Any = contextlib.nullcontext()
     if swap_inputs and not _nested(b):
@@ -130,7 +132,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None, 
         hooks = SwapPacker(b, storage_factory(), None, parameter_storages(b, owner)).hooks()
     try:
         with hooks:
-            return b.run_checkpoint(function, args, kwargs, region, options)
+            return b.run_checkpoint(function, args, kwargs, frame, options)
     except Exception as err:
         if region is not None and region.policy_error is not None and region.policy_error is not err:
             raise region.policy_error from None  # an operator (a @ b) replaced it by its own message

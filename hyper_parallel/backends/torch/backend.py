@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hyper_parallel.core.backend import Backend, OpKind
 from hyper_parallel.core.keep_reason import KeepReason
 from hyper_parallel.core.policy import CheckpointPolicy, normalize_policy
+from hyper_parallel.core.recompute_session import SessionBoxes
 from hyper_parallel.core.region_state import RegionMarker
 
 from . import _shim
@@ -57,9 +58,36 @@ _UNDECLARED_WRITES = {op: ((3, "running_mean"), (4, "running_var")) for op in (
 _MACHINERY = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
 
 
+class _SessionHooks:
+    """Saved-tensor hooks pushed inside a checkpoint's own (the innermost pair when the
+    checkpoint's forward context is entered) that box what the checkpoint packs, so that a
+    ``RecomputeSession`` can share one recomputation between the halves of a split backward.
+    Outside a session a box only forwards to the checkpoint's unpack."""
+
+    __slots__ = ("_boxes", "_hooks")
+
+    def __init__(self, boxes: Any) -> None:
+        self._boxes = boxes
+        self._hooks: List[Any] = []
+
+    def __enter__(self) -> "_SessionHooks":
+        inner = _shim.innermost_saved_tensors_hooks() if self._boxes is not None else None
+        hooks: Any = contextlib.nullcontext()
+        if inner is not None:
+            pack, unpack = inner
+            hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self._boxes.pack, pack),
+                                                             functools.partial(SessionBoxes.unpack, unpack))
+        hooks.__enter__()
+        self._hooks.append(hooks)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.pop().__exit__(*exc)
+
+
 class _RegionMode(TorchDispatchMode):
     """Dispatch mode of one selective region; marks (on this thread) that the region's forward,
-    or its recomputation, is running."""
+    or its recomputation, is running; in forward, boxes what the checkpoint saves."""
 
     recompute = False
 
@@ -67,17 +95,25 @@ class _RegionMode(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, region: Any) -> None:
+    def __init__(self, region: Any, frame: Any = None) -> None:
         super().__init__()
         self._op = region.recompute_op if self.recompute else region.forward_op
-        self._marker = RegionMarker(recompute=self.recompute)
+        self._marker = RegionMarker(recompute=self.recompute, frame=frame)
+        self._session = _SessionHooks(None if self.recompute or frame is None else frame.boxes)
 
     def __enter__(self) -> "_RegionMode":
         self._marker.__enter__()
-        return super().__enter__()
+        try:
+            mode = super().__enter__()
+            self._session.__enter__()
+        except BaseException:
+            self._marker.__exit__(None, None, None)
+            raise
+        return mode
 
     def __exit__(self, *exc: Any) -> None:
         try:
+            self._session.__exit__(*exc)
             super().__exit__(*exc)
         finally:
             self._marker.__exit__(*exc)
@@ -89,8 +125,8 @@ class _RegionMode(TorchDispatchMode):
 class _RecomputeMode(_RegionMode):
     recompute = True
 
-    def __init__(self, region: Any) -> None:
-        super().__init__(region)
+    def __init__(self, region: Any, frame: Any = None) -> None:
+        super().__init__(region, frame)
         self._region = region
 
     def __enter__(self) -> "_RecomputeMode":
@@ -98,8 +134,27 @@ class _RecomputeMode(_RegionMode):
         return super().__enter__()
 
 
-def _marker_contexts() -> Tuple[RegionMarker, RegionMarker]:
-    return RegionMarker(recompute=False), RegionMarker(recompute=True)
+class _WholeRegionForward:
+    """Forward context of a whole-region checkpoint: the region marker and the session boxes."""
+
+    def __init__(self, frame: Any) -> None:
+        self._marker = RegionMarker(recompute=False, frame=frame)
+        self._session = _SessionHooks(frame.boxes if frame is not None else None)
+
+    def __enter__(self) -> "_WholeRegionForward":
+        self._marker.__enter__()
+        try:
+            self._session.__enter__()
+        except BaseException:
+            self._marker.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._session.__exit__(*exc)
+        finally:
+            self._marker.__exit__(*exc)
 
 
 # What a selective policy's answer means to PyTorch's compiled selective checkpoint. MUST_SWAP
@@ -163,6 +218,8 @@ class TorchBackend(Backend):
     checkpoint_options = ("preserve_rng_state", "determinism_check", "debug", "early_stop")
     rng_replayable = True  # torch.utils.checkpoint restores the RNG state for recomputation
     op_list_entries = "OpOverloads"
+    recompute_sessions = True
+    exclusion_supported = True
 
     def __init__(self) -> None:
         acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -291,20 +348,21 @@ class TorchBackend(Backend):
     def saved_tensors_hooks(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def dispatch_modes(self, region: Any) -> Tuple[TorchDispatchMode, TorchDispatchMode]:
-        return _RegionMode(region), _RecomputeMode(region)
+    def dispatch_modes(self, region: Any, frame: Any = None) -> Tuple[TorchDispatchMode, TorchDispatchMode]:
+        return _RegionMode(region, frame), _RecomputeMode(region, frame)
 
     def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
-                       region: Any, options: dict) -> Any:
+                       frame: Any, options: dict) -> Any:
+        region = frame.selective if frame is not None else None
         if region is not None and not region.whole:
-            context_fn: Callable[[], Any] = lambda: self.dispatch_modes(region)  # noqa: E731
+            context_fn: Callable[[], Any] = lambda: self.dispatch_modes(region, frame)  # noqa: E731
         elif options.get("debug"):
             context_fn = torch_ckpt.noop_context_fn  # debug mode insists on the default contexts
         elif region is not None:
             # Forward needs no dispatch mode; the recomputation keeps writes off outside state.
-            context_fn = lambda: (RegionMarker(recompute=False), _RecomputeMode(region))  # noqa: E731
+            context_fn = lambda: (_WholeRegionForward(frame), _RecomputeMode(region, frame))  # noqa: E731
         else:
-            context_fn = _marker_contexts
+            context_fn = lambda: (_WholeRegionForward(frame), RegionMarker(recompute=True, frame=frame))  # noqa: E731
         return torch_ckpt.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn,
                                      **options, **kwargs)
 
@@ -321,6 +379,11 @@ class TorchBackend(Backend):
         return torch_ckpt.checkpoint(function, *args, use_reentrant=False,
                                      context_fn=functools.partial(_compiled_contexts, policy_fn), **options, **kwargs)
 
+    def recomputed_leaf(self, t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        leaf = t.detach()
+        leaf.requires_grad_(requires_grad)
+        return leaf
+
     def check_checkpoint_options(self, options: dict, selective: bool) -> None:
         if options.get("debug") and selective:
             raise ValueError("checkpoint: debug=True cannot be combined with policy_fn (PyTorch's debug "
@@ -335,7 +398,10 @@ class TorchBackend(Backend):
             return OpKind.MACHINERY
         schema = getattr(op, "_schema", None)
         if schema is not None and schema.is_mutable:
-            return OpKind.MUTATING
+            return OpKind.MUTATING  # in-place collectives too: replaying an output cannot replay a write
+        collective = _shim.functional_collective(op)
+        if collective is not None:
+            return OpKind.WAIT if collective == "wait" else OpKind.COLLECTIVE
         if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
             return OpKind.RANDOM
         return OpKind.PLAIN
