@@ -316,7 +316,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def written_tensors(self, op: Op, args: Tuple[Any, ...], kwargs: dict) -> List[Tensor]:
-        """The tensor arguments a MUTATING op writes to."""
+        """The tensor arguments ``op`` writes to, declared or not (empty for ops that write nothing)."""
         ...
 
     @abc.abstractmethod

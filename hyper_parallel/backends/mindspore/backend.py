@@ -217,8 +217,8 @@ class MindSporeBackend(Backend):
         return self.alias(t)
 
     def clone(self, t: Tensor) -> Tensor:
-        with _shim.internal():
-            return t.clone()
+        with _shim.internal():  # the CPU build has no Clone kernel
+            return mint.empty_like(t).copy_(t)
 
     def unswappable_reason(self, t: Any) -> Optional[KeepReason]:
         if not isinstance(t, Tensor):
@@ -363,6 +363,8 @@ class MindSporeBackend(Backend):
 
     def written_tensors(self, op: Any, args: Tuple[Any, ...], kwargs: dict) -> List[Tensor]:
         # MindSpore's in-place primitives (Inplace*, Assign*, Scatter*) write to their first input.
+        if not is_mutating_op(op.name):
+            return []
         return [args[0]] if args and isinstance(args[0], Tensor) else []
 
     def op_list_entry(self, entry: Any) -> Hashable:
