@@ -25,7 +25,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, mint, nn, ops
 
-MODES = ("none", "recompute", "funcrecompute", "save", "funcsave", "swap", "funcswap")
+MODES = ("none", "recompute", "funcrecompute", "save", "funcsave", "swap", "funcswap", "saveall")
 SWAP_WRAPPER_MODES = ("none", "swap", "swap_with_policy")
 
 #: what the "save matmuls" / "swap matmuls" policies single out (by ``op.name``)
@@ -148,6 +148,11 @@ def save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return policy.MUST_SAVE if op.name in MATMUL_OPS else policy.MUST_RECOMPUTE
 
 
+def save_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The RFC's "save" mode: MUST_SAVE for every op (LayerNorm, BiasAdd, Dropout... included)."""
+    return _api().CheckpointPolicy.MUST_SAVE
+
+
 def swap_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     policy = _api().CheckpointPolicy
     return policy.MUST_SWAP if op.name in MATMUL_OPS else policy.MUST_RECOMPUTE
@@ -192,6 +197,8 @@ def apply_mode(model: GPT, mode: str) -> GPT:
         _wrap_layers(model, policy_fn=save_matmuls)
     elif mode == "funcsave":
         _wrap_functions(model, policy_fn=save_matmuls)
+    elif mode == "saveall":
+        _wrap_layers(model, policy_fn=save_everything)
     elif mode == "swap":
         _wrap_layers(model, policy_fn=swap_matmuls, swap_inputs=True)
         chain_layers(model.layers)

@@ -64,7 +64,8 @@ def test_swap_modes_move_bytes_both_ways(results):
         assert stats["offloaded_bytes"] > 0, job
         assert stats["loaded_bytes"] == stats["offloaded_bytes"], job
         assert stats["offload_launches"] == 3 * 2, job  # 3 steps x (3 layers - the last)
-    for job in [("recompute", False), ("funcrecompute", False), ("save", False), ("funcsave", False)]:
+    for job in [("recompute", False), ("funcrecompute", False), ("save", False), ("funcsave", False),
+                ("saveall", False)]:
         assert results[job]["swap_stats"]["offloaded_bytes"] == 0, job
     # swap_with_policy keeps the small tensors: it moves less than swap (the RFC's memory order
     # none > swap_with_policy > swap, seen from the bytes that leave the device)

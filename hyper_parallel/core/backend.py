@@ -310,6 +310,13 @@ class Backend(abc.ABC):
         ...
 
     @abc.abstractmethod
+    def cannot_hand_back(self, op: Op, args: Tuple[Any, ...]) -> bool:
+        """Whether a recomputation cannot return a kept output of this op call instead of running
+        it (the framework's autograd would block or attach to the wrong tensor): such a call is
+        recomputed whatever the policy answered, and the answer is reported."""
+        ...
+
+    @abc.abstractmethod
     def op_key(self, op: Op) -> Hashable:
         """What identifies ``op`` across forward and recompute (and in a list policy)."""
         ...

@@ -9,6 +9,7 @@ backends' dispatch modes call :meth:`SelectiveRegion.forward_op` and
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import Any, Callable, DefaultDict, Dict, Hashable, List, Optional, Set, Tuple
 
@@ -194,7 +195,18 @@ class SelectiveRegion:
                 self._rng_after[(key, index)] = after
             return out
         out = _run(func, args, kwargs)
-        self._keep(key, self._ask(self._ctx_forward, func, key, args, kwargs, out), out)
+        decision = self._ask(self._ctx_forward, func, key, args, kwargs, out)
+        if decision is not Decision.RECOMPUTE and b.cannot_hand_back(func, args):
+            # The answer is recorded (and checked again in recompute) but nothing is kept: the op
+            # runs again in recomputation. Reported, never silently dropped.
+            warnings.warn(
+                f"selective checkpoint on {b.name}: the policy answered {decision.value.upper()} for {key}, "
+                "whose kept output the framework cannot hand back during recomputation; it is recomputed "
+                "instead (results stay bit-exact; answer RECOMPUTE for it to silence this warning).",
+                UserWarning, stacklevel=2)
+            self.log.record(key, decision, RECOMPUTE)
+        else:
+            self._keep(key, decision, out)
         return out
 
     def start_replay(self) -> None:

@@ -33,7 +33,7 @@ from hyper_parallel.core.region_state import RegionMarker
 from . import _shim
 
 __all__ = ["MindSporeBackend", "ViewMeta", "device_kind", "op_name", "is_random_op", "is_mutating_op",
-           "RANDOM_OP_NAMES", "pipeline_swap", "pipeline_recompute"]
+           "is_legacy_primitive_call", "RANDOM_OP_NAMES", "pipeline_swap", "pipeline_recompute"]
 
 _ACCELERATORS = ("Ascend", "GPU")
 
@@ -87,6 +87,13 @@ _RANDOM_WORDS = ("dropout", "rand", "uniform", "bernoulli", "multinomial", "pois
 
 def is_mutating_op(name: str) -> bool:
     return name.startswith("Inplace") or name in _MUTATING_NAMES
+
+
+def is_legacy_primitive_call(args: Tuple[Any, ...]) -> bool:
+    """Whether a dispatch mode received a legacy-primitive call (``Primitive.__call__`` ->
+    ``run_op_async``): its arguments are ``(primitive, name, inputs)``."""
+    return len(args) == 3 and isinstance(args[0], Primitive) and isinstance(args[1], str) \
+        and isinstance(args[2], tuple)
 
 
 def is_random_op(name: str) -> bool:
@@ -213,8 +220,10 @@ class MindSporeBackend(Backend):
 
     def hand_back(self, t: Tensor) -> Tensor:
         # Autograd attaches the recomputed node to the returned tensor object, so it must not be
-        # the one the cache (or the swap system) keeps.
-        return self.alias(t)
+        # the one the cache (or the swap system) keeps; and it must not be a PyNative stub tensor
+        # (a view op's output is one), or a legacy primitive fed by it blocks in backward
+        # (see cannot_hand_back): Tensor(view) has the same storage and layout, and is not a stub.
+        return Tensor(self.alias(t))
 
     def clone(self, t: Tensor) -> Tensor:
         with _shim.internal():  # the CPU build has no Clone kernel
@@ -357,6 +366,19 @@ class MindSporeBackend(Backend):
                 kind = OpKind.PLAIN
             self._kinds[name] = kind
         return kind
+
+    def cannot_hand_back(self, op: Any, args: Tuple[Any, ...]) -> bool:
+        # MindSpore 2.10 has two op paths. Most ops are "pyboost" ops; a few (LayerNorm, BiasAdd,
+        # FastGeLU, Gather, ReduceMean, OnesLike, Dropout on CPU) are legacy primitives, which a
+        # dispatch mode receives as (primitive, name, inputs). When a dispatch mode answers such a
+        # call without running it, MindSpore registers the op for autograd itself
+        # (PostDispatchGrad), filling each input's abstract with StubNode::ToAbstract(), which
+        # waits forever (StubNode::WaitPipeline) for an input that is a PyNative stub tensor made
+        # outside the mode, e.g. the region's input. Running the op and handing back the kept
+        # output instead attaches autograd to the new run's outputs, so the recomputation saves
+        # other tensors than forward did. Such calls are therefore recomputed. Random legacy ops
+        # (CPU Dropout) stay kept: re-running them would draw a new mask.
+        return is_legacy_primitive_call(args) and not is_random_op(op.name)
 
     def op_key(self, op: Any) -> Hashable:
         return op.name

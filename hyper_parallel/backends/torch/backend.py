@@ -406,6 +406,9 @@ class TorchBackend(Backend):
             return OpKind.RANDOM
         return OpKind.PLAIN
 
+    def cannot_hand_back(self, op: Any, args: Tuple[Any, ...]) -> bool:
+        return False
+
     def op_key(self, op: Any) -> Hashable:
         return op
 
