@@ -102,16 +102,20 @@ class LayerChain:
     def _install_hooks(self, layer: Any) -> List[Any]:
         b = self._m.backend
 
+        # Each hook holds the manager's lock: autograd threads (one per device) may call in at once.
         def pre_hook(module: Any, args: Any) -> None:
             if not b.in_backward():  # a recomputation re-runs forward: not a new forward
-                self.forward_start(module)
+                with self._m._locked():
+                    self.forward_start(module)
 
         def post_hook(module: Any, args: Any, output: Any) -> None:
             if b.in_backward():
                 return
             # Also called when forward raised, to restore the current group.
             failed = sys.exc_info()[0] is not None or not b.grad_recording()
-            if self.forward_end(module, failed):
+            with self._m._locked():
+                armed = self.forward_end(module, failed)
+            if armed:
                 self._arm_backward_start(module, output)
 
         return b.register_forward_hooks(layer, pre_hook, post_hook)
@@ -130,7 +134,8 @@ class LayerChain:
             module = ref()
             if not fired[0] and module is not None:
                 fired[0] = True
-                self.backward_start(module)
+                with self._m._locked():
+                    self.backward_start(module)
 
         for t in outs:
             b.register_grad_hook(t, on_grad)

@@ -166,7 +166,7 @@ class _Info:
         self.alloc = alloc             # the stream whose pool the block belongs to (None: host)
         self.write: Optional[Tuple[SimStream, int, str]] = None
         self.reads: Dict[int, Tuple[SimStream, int, str]] = {}
-        self.recorded: set = set()     # ids of streams record_stream'ed on it
+        self.recorded: Dict[int, SimStream] = {}  # streams record_stream'ed on it, by id
         self.ref: Any = None
         self.cross = False             # accessed by a stream other than its allocation stream
         self.freed = False             # the free check ran
@@ -466,7 +466,7 @@ class SimDevice(TorchBackend):
         with self._lock:
             info = self._get(t)
             if info is not None and not info.host:
-                info.recorded.add(stream.id)
+                info.recorded[stream.id] = stream
                 self.counts["record_stream"] += 1
 
     # ================================================================== user-facing checks
@@ -475,11 +475,17 @@ class SimDevice(TorchBackend):
         return _Checker(self)
 
     def synchronize(self) -> None:
-        """Run every queued copy (``torch.cuda.synchronize()``)."""
+        """Run every queued copy (``torch.cuda.synchronize()``): all work issued so far is done,
+        so whatever any stream does next is ordered after it (every clock takes the maximum)."""
         with self._lock:
             self._poll(raise_pending=False)
             for stream in list(self.streams):
                 self._run(stream, stream.issued)
+            joined: Dict[int, int] = {}
+            for stream in self.streams:
+                _merge(joined, stream.vc)
+            for stream in self.streams:
+                _merge(stream.vc, joined)
 
     def check(self) -> None:
         """Raise the first hazard seen so far, if any."""
@@ -570,21 +576,28 @@ class SimDevice(TorchBackend):
         return out
 
     def _free_check(self, info: _Info, queued: Sequence[_Copy] = ()) -> None:
+        """The program freed ``info``'s storage now (its block goes back to its allocation stream's
+        pool): every other stream's access must be ordered before that stream's present, or be
+        covered by ``record_stream``. ``queued``: copies still queued on it (they read garbage)."""
         info.freed = True
         owner = info.alloc
+        uncovered: List[SimStream] = []
         for stream, t, what in self._accesses(info):
             if owner is None or stream is owner or owner.vc.get(stream.id, 0) >= t:
                 continue
-            if stream.id in info.recorded:
+            # record_stream(R): at the free the allocator records an event on R and reuses the
+            # block only after it; that covers every access R is ordered after by then.
+            if any(r is stream or r.vc.get(stream.id, 0) >= t for r in info.recorded.values()):
                 continue
-            self._hazard(
-                f"{info.name()} (allocated on {owner.name}) was freed while the {what} was not ordered before "
-                f"the free ({owner.name} never waited for it) and no record_stream (mark_used_by) on "
-                f"{stream.name} covered it: the allocator may give the block to a new tensor on {owner.name} "
-                "while that access is in flight.")
-            break
+            uncovered.append(stream)
+            if len(uncovered) == 1:
+                self._hazard(
+                    f"{info.name()} (allocated on {owner.name}) was freed while the {what} was not ordered "
+                    f"before the free ({owner.name} never waited for it) and no record_stream (mark_used_by) "
+                    f"covered it: the allocator may give the block to a new tensor on {owner.name} while "
+                    "that access is in flight.")
         for item in queued:
-            if item.reads_dev and item.stream.id not in info.recorded:
+            if item.reads_dev and item.stream in uncovered:
                 # Simulate the block's reuse: whatever the queued copy reads now is garbage.
                 with self._quiet():
                     item.src.untyped_storage().fill_(POISON_BYTE)
@@ -771,28 +784,37 @@ def simulated_device(seed: Optional[int] = None, check: bool = True, **options: 
 
 def per_layer_streams(sim: SimDevice, layers: Sequence[torch.nn.Module]) -> List[Any]:
     """Run each layer's forward on its own compute stream and replay it there in backward, the way
-    autograd runs a node on the stream its forward used: entering a layer's stream waits the
-    stream that produced its input (or, in backward, its output's gradient), and leaving it makes
-    the caller's stream wait it. Returns the hook handles. Register these hooks after the layer
-    chain's (``set_forward_prefetch_layer``), so the chain's forward hooks run on the layer's
-    stream."""
+    autograd runs a node on the stream its forward used, as a correct program does it: entering a
+    layer's stream waits the stream that produced its input (in backward, its output's gradient),
+    leaving it makes the caller's stream wait it, and every tensor handed from one stream to the
+    other is ``record_stream``-ed on the receiving stream. Returns the hook handles. Register these
+    hooks after the layer chain's (``set_forward_prefetch_layer``), so the chain's forward hooks run
+    on the layer's stream."""
     handles: List[Any] = []
+
+    def tensors(x: Any) -> List[torch.Tensor]:
+        return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+
     for layer in layers:
         stream = sim.new_stream()
         tokens: List[Any] = []
 
-        def enter(*_: Any, stream: SimStream = stream, tokens: List[Any] = tokens) -> None:
+        def enter(handed: Any, stream: SimStream = stream, tokens: List[Any] = tokens) -> None:
             caller = sim.current_stream(stream.device)
             stream.wait_stream(caller)
+            for t in tensors(handed):
+                sim.mark_used_by(t, stream)
             tokens.append((caller, sim._push(stream)))
 
-        def leave(*_: Any, stream: SimStream = stream, tokens: List[Any] = tokens) -> None:
+        def leave(handed: Any, stream: SimStream = stream, tokens: List[Any] = tokens) -> None:
             caller, token = tokens.pop()
             sim._pop(token)
             caller.wait_stream(stream)
+            for t in tensors(handed):
+                sim.mark_used_by(t, caller)
 
-        handles.append(layer.register_forward_pre_hook(lambda m, a, enter=enter: enter()))
-        handles.append(layer.register_forward_hook(lambda m, a, o, leave=leave: leave(), always_call=True))
-        handles.append(layer.register_full_backward_pre_hook(lambda m, g, enter=enter: enter()))
-        handles.append(layer.register_full_backward_hook(lambda m, gi, go, leave=leave: leave()))
+        handles.append(layer.register_forward_pre_hook(lambda m, a, enter=enter: enter(a)))
+        handles.append(layer.register_forward_hook(lambda m, a, o, leave=leave: leave(o), always_call=True))
+        handles.append(layer.register_full_backward_pre_hook(lambda m, g, enter=enter: enter(g)))
+        handles.append(layer.register_full_backward_hook(lambda m, gi, go, leave=leave: leave(gi)))
     return handles

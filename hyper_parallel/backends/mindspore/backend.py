@@ -271,10 +271,13 @@ class MindSporeBackend(Backend):
             record(stream)
 
     # ------------------------------------------------------------------ streams and events
-    def current_stream(self) -> Any:
+    # A MindSpore process drives one device (``set_device``), so ``device`` (``device_key`` keeps
+    # the default ``None``) is always the current one. ``host_alloc_size`` / ``empty_host_cache``
+    # keep the defaults too: MindSpore documents no rounding or caching of pinned host memory.
+    def current_stream(self, device: Any = None) -> Any:
         return ms.runtime.current_stream() if self.accelerator is not None else None
 
-    def new_copy_stream(self) -> Any:
+    def new_copy_stream(self, device: Any = None) -> Any:
         return ms.runtime.Stream() if self.accelerator is not None else None
 
     def stream_context(self, stream: Any) -> Any:

@@ -12,7 +12,7 @@ except ImportError:  # a build without torch.distributed
     _FSDPModule = None
 
 __all__ = ["storage_key", "version", "storage_use_count", "in_backward", "detach_keeping_version", "pipeline_stages",
-           "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class"]
+           "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class", "pinned_alloc_size", "empty_host_cache"]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -80,3 +80,21 @@ def fsdp_module_class() -> Any:
     """``FSDPModule`` (the class ``fully_shard`` mixes into a module), or ``None`` on a build
     without ``torch.distributed``."""
     return _FSDPModule
+
+
+def pinned_alloc_size(nbytes: int) -> int:
+    """Bytes PyTorch's caching host allocator reserves for a pinned request of ``nbytes``: it rounds
+    every request up to the next power of two (``c10::llvm::PowerOf2Ceil`` in
+    ``CachingHostAllocator.h``; no public API says so)."""
+    return 1 if nbytes <= 1 else 1 << (nbytes - 1).bit_length()
+
+
+def empty_host_cache() -> None:
+    """Return the pinned blocks the caching host allocator keeps to the OS
+    (``torch.accelerator.empty_host_cache``, public from PyTorch 2.9; older builds only have the
+    private binding, and some none)."""
+    fn = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if fn is None:
+        fn = getattr(torch._C, "_host_emptyCache", None)
+    if fn is not None:
+        fn()
