@@ -24,10 +24,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "sim_device: also run the test under the simulated asynchronous device "
                                        "with the stream-ordering checker on (test id suffix [sim])")
     config.addinivalue_line("markers", "sim_only: run the test only under the simulated asynchronous device")
+    config.addinivalue_line("markers", "no_sim(reason): never run the test under the simulated device")
 
 
 def pytest_generate_tests(metafunc):
     if "swap_backend" not in metafunc.fixturenames or metafunc.config.getoption("--sim-device"):
+        return
+    if metafunc.definition.get_closest_marker("no_sim") is not None:
         return
     if metafunc.definition.get_closest_marker("sim_only") is not None:
         metafunc.parametrize("swap_backend", ["sim"], indirect=True)
@@ -40,6 +43,8 @@ def swap_backend(request):
     """``None`` (the CPU backend), or the active :class:`SimDevice` of a ``[sim]`` run; at the end
     of a ``[sim]`` run every queued copy is run and any stream hazard fails the test."""
     kind = getattr(request, "param", "sim" if request.config.getoption("--sim-device") else "cpu")
+    if request.node.get_closest_marker("no_sim") is not None:
+        kind = "cpu"
     if kind == "cpu":
         yield None
         return

@@ -401,8 +401,9 @@ class SimDevice(TorchBackend):
                 self._hazard(f"{nbytes} device bytes allocated while copy stream {stream.name} is current: the "
                              "block belongs to the copy stream's pool, and compute, which uses and frees it, "
                              "is not ordered with that stream.")
-            with self._quiet():
+            with self._quiet(visible=True):
                 t = torch.empty(nbytes, dtype=torch.uint8)
+            with self._quiet():
                 t.fill_(POISON_BYTE)
             info = self._register(t, device, stream)
             self._tick(stream)
@@ -413,8 +414,9 @@ class SimDevice(TorchBackend):
     def empty_host_bytes(self, nbytes: int) -> torch.Tensor:
         self._before("empty_host_bytes", nbytes)
         with self._lock:
-            with self._quiet():
+            with self._quiet(visible=True):
                 t = torch.empty(nbytes, dtype=torch.uint8)
+            with self._quiet():
                 t.fill_(POISON_BYTE)
             info = self._register(t, HOST, None)
             info.rounded = self.host_alloc_size(nbytes)
@@ -507,12 +509,18 @@ class SimDevice(TorchBackend):
             hook(*args)
 
     @contextlib.contextmanager
-    def _quiet(self) -> Iterator[None]:
+    def _quiet(self, visible: bool = False) -> Iterator[None]:
+        """The simulator's own tensor work: the checker ignores it, and (unless ``visible``: an
+        allocation the framework backend would make under the user's modes too, so that e.g. a
+        memory meter sees it) no other dispatch mode sees it either."""
         tls = self._state()
         tls.quiet += 1
         try:
-            with _shim.disable_modes():
+            if visible:
                 yield
+            else:
+                with _shim.disable_modes():
+                    yield
         finally:
             tls.quiet -= 1
 
