@@ -122,6 +122,32 @@ def side_stream_producer(sim: SimDevice, group: str = "g") -> Dict[str, torch.Te
     return out
 
 
+def offload_from_an_unordered_stream(sim: SimDevice, group: str = "g") -> Dict[str, torch.Tensor]:
+    """The forward runs on a side stream; the swap is driven from the default stream before that
+    stream is ordered after the side stream (the engine must order its copies itself)."""
+    mgr = SwapManager()
+    net = swapped_net()
+    main = sim.current_stream()
+    side = sim.new_stream()
+    x = make_input(net)
+    with sim.stream(side):
+        side.wait_stream(main)
+        mgr.set_current_group_name(group)
+        loss = net(x)
+        mgr.set_current_group_name(None)
+    mgr.launch_offload(group)
+    mgr.wait_offload(group)
+    mgr.launch_load(group)
+    mgr.wait_load(group)
+    with sim.stream(side):
+        side.wait_stream(main)
+        loss.backward()
+    sim.synchronize()  # the gradients were produced on other streams than the one reading them
+    out = grads(net)
+    sim.synchronize()
+    return out
+
+
 def consumer_on_another_stream(sim: SimDevice, group: str = "g") -> Dict[str, torch.Tensor]:
     """The forward and the offload run on stream ``other`` (``with torch.cuda.stream(s)``), the
     load is waited on the default stream, and the backward runs on ``other`` again (autograd runs
