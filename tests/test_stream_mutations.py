@@ -105,7 +105,7 @@ def test_without_host_buffer_reuse_guard(monkeypatch):
     ("side_stream", "was freed while the D2H copy on copy0@dev0"),    # a source made on a side stream
     ("layer_streams", "was freed while the D2H copy on copy0@dev0"),  # sources of per-layer streams
     ("other_consumer", "(allocated on compute0@dev0) was freed while the aten"),  # a reload used elsewhere
-])
+], ids=["dies_mid_h2d", "cancel", "side_stream", "layer_streams", "other_consumer"])
 def test_without_record_stream(monkeypatch, name, needle):
     """Each place the engine calls ``record_stream`` (``SwapTensor._protect``), removed: a block is
     freed while another stream's copy or read of it may still be in flight."""

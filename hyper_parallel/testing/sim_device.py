@@ -61,8 +61,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import hyper_parallel.core.activation_checkpoint  # noqa: F401  (binds the framework's backend first)
 from hyper_parallel.backends.torch.backend import TorchBackend
+from hyper_parallel.core.backend import use_backend
 from hyper_parallel.core.keep_reason import KeepReason
+from hyper_parallel.core.swap_manager import SwapManager
 
 from . import _shim
 
@@ -772,9 +775,6 @@ def simulated_device(seed: Optional[int] = None, check: bool = True, **options: 
     """Run the block with a :class:`SimDevice` as the engine's backend and the checker on; the
     ``SwapManager`` is reset on entry and exit (so it uses the simulated streams), every queued
     copy is run at the end and any hazard raised (``check``)."""
-    from hyper_parallel.core.backend import use_backend
-    from hyper_parallel.core.swap_manager import SwapManager
-
     sim = SimDevice(seed=seed, **options)
     with use_backend(sim):
         SwapManager().reset()
