@@ -344,6 +344,7 @@ def test_second_backward_through_a_swap_region_is_an_error():
 
 
 @pytest.mark.slow
+@pytest.mark.no_sim("the schedule runs in a subprocess, which does not use the simulated device")
 def test_backward_after_offload_without_load_raises_in_python_not_crash():
     script = textwrap.dedent("""
         import torch
