@@ -55,8 +55,9 @@ def test_h2_backward_on_another_stream_than_wait_load(sim):
 @sim_only
 def test_h3_copy_streams_belong_to_the_tensors_device(sim):
     """A model on device 1 while device 0 is current (``model.to("cuda:1")`` without
-    ``set_device``). Before: the copy stream was made on device 0 and every copy of device-1
-    memory ran on device 1's compute stream, synchronously (``eager_copies`` 30, no overlap)."""
+    ``set_device``). Before: the copy stream was made on device 0, so no copy stream issued any
+    copy (``copy_streams == []``): every copy of device-1 memory ran on device 1's compute stream,
+    synchronously, with no overlap."""
     net = sc.swapped_net()
     sim.place(net, 1)
     chain(net.layers)
@@ -72,7 +73,7 @@ def test_h3_copy_streams_belong_to_the_tensors_device(sim):
 # ------------------------------------------------------------------------------ 4. record_stream only when needed
 @sim_only
 def test_h4_no_record_stream_on_a_normal_reload(sim):
-    """Before: one ``record_stream`` per reloaded tensor (``counts['record_stream'] == 12``), which
+    """Before: one ``record_stream`` per reloaded tensor (``counts['record_stream'] == 9``), which
     keeps every reloaded block from reuse until the busy copy stream catches up."""
     assert_tensors_equal(sc.atomic_round_trip(sim), sc.reference_grads(), "grads")
     assert sim.counts["record_stream"] == 0, sim.counts
@@ -82,7 +83,8 @@ def test_h4_no_record_stream_on_a_normal_reload(sim):
 def test_h4_tensor_dying_mid_h2d_is_protected(sim):
     """A graph dropped while its load is in flight: its destinations are freed while the H2D still
     writes them, which is safe only with ``record_stream`` on the copy stream (the checker raises
-    otherwise); exactly those tensors get one."""
+    otherwise); exactly those tensors get one. (This passed before too, when every reload got a
+    ``record_stream``: it keeps the fix of the test above from dropping the one that is needed.)"""
     sc.graph_dies_mid_h2d(sim)
     gc.collect()
     assert 0 < sim.counts["record_stream"] <= len(sc.reference_grads()) * 2
@@ -128,8 +130,9 @@ def _failing_on(sim, primitive, nth):
 
 @sim_only
 def test_h6_failure_on_the_second_copy_of_an_offload(sim):
-    """Before: the first tensor stayed in 'd2h' with no event and ``wait_offload`` said "no offload
-    of group 'g' is in flight"; the failed tensor's host buffer stayed counted in use."""
+    """Before: ``in_use_bytes`` was 6144 with one 2048-byte copy in flight (the failed tensor's host
+    buffer was never given back), and the started tensor was left in 'd2h' without its event
+    (``offload_pending`` was set after the loop, which the exception skipped)."""
     mgr = SwapManager()
     net = sc.swapped_net()
     mgr.set_current_group_name("g")
@@ -155,8 +158,8 @@ def test_h6_failure_on_the_second_copy_of_an_offload(sim):
 
 @sim_only
 def test_h6_failure_on_the_second_allocation_of_a_load(sim):
-    """Before: the first tensor stayed in 'h2d' over a fresh (0xFF) destination that no copy
-    would ever fill; retrying the load skipped it and backward read NaN."""
+    """Before: the first tensor was left in 'h2d' over a fresh (0xFF) destination that no copy
+    would ever fill (``[SwapTensor(state=h2d)]``); a retried load skips tensors in 'h2d'."""
     mgr = SwapManager()
     net = sc.swapped_net()
     mgr.set_current_group_name("g")
@@ -251,7 +254,8 @@ def test_h8_two_threads_cannot_both_pass_the_host_cap(sim):
 @sim_only
 def test_h8_backward_hooks_from_two_threads(sim):
     """Two chained nets, forwarded on this thread, run backward in two threads at once (autograd
-    runs one thread per device): the layer chain's hooks drive the manager from both."""
+    runs one thread per device): the layer chain's hooks drive the manager from both. (A stress
+    test; it passed before too. The test above is the deterministic one.)"""
     nets = [sc.swapped_net() for _ in range(2)]
     for net in nets:
         chain(net.layers)

@@ -689,19 +689,20 @@ class SimDevice(TorchBackend):
         if stream is not info.alloc:
             info.cross = True
 
-    def _spec(self, func: Any) -> Tuple[bool, Tuple[Tuple[int, str, bool], ...]]:
+    def _spec(self, func: Any) -> Tuple[bool, Tuple[Tuple[int, str, bool], ...], str]:
+        """``(metadata only, (argument index, name, written)..., op name)`` of an op, cached."""
         spec = self._spec_cache.get(func)
         if spec is None:
             schema = getattr(func, "_schema", None)
             if schema is None:
-                spec = (False, ())
+                spec = (False, (), str(func))
             else:
                 meta = str(getattr(func, "__name__", "")).startswith("set_") or any(
                     r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
                 args = tuple((i, a.name, a.alias_info is not None and a.alias_info.is_write)
                              for i, a in enumerate(schema.arguments)
                              if a.alias_info is None or a.alias_info.is_write)
-                spec = (meta, args)
+                spec = (meta, args, str(func))
             self._spec_cache[func] = spec
         return spec
 
@@ -709,10 +710,9 @@ class SimDevice(TorchBackend):
         tls = self._state()
         if tls.quiet:
             return func(*args, **kwargs)
-        meta, spec = self._spec(func)
+        meta, spec, name = self._spec(func)
         if meta:
             return func(*args, **kwargs)
-        name = str(func)
         with self._lock:
             self._poll()
             reads: List[_Info] = []
