@@ -8,7 +8,9 @@
 # Installing is idempotent: a stamp file inside .venv, named after a hash of
 # pyproject.toml and of the torch pin, records a finished install, so a second
 # `make test` goes straight to pytest.  Torch is always installed pinned first
-# (an unpinned `pip install torch` can pull a multi-GB CUDA build).
+# (an unpinned `pip install torch` can pull a multi-GB CUDA build).  Every step
+# prints a "==>" line and pip shows what it downloads and installs (a first
+# install takes a few minutes); pytest shows its progress per test file.
 
 PYTHON3     ?= python3
 VENV        ?= .venv
@@ -26,12 +28,15 @@ STAMP := $(VENV)/.hyper-parallel-installed-$(INSTALL_KEY)
 .PHONY: test test-quick demo install venv clean
 
 test: $(STAMP)
+	@echo "==> pytest: every test, the slow and multi-process ones included (progress per file below)"
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-quick: $(STAMP)
+	@echo "==> pytest: without the slow and the multi-process tests"
 	$(PY) -m pytest -m "not slow and not distributed" $(PYTEST_ARGS)
 
 demo: $(STAMP)
+	@echo "==> the mode comparison: every mode trains the small GPT in its own process (about a minute on 2 cores)"
 	$(PY) -m hyper_parallel.bench
 
 install: $(STAMP)
@@ -39,13 +44,17 @@ install: $(STAMP)
 venv: $(PY)
 
 $(PY):
+	@echo "==> [1/3] creating the virtualenv $(VENV)"
 	$(PYTHON3) -m venv $(VENV)
 
 $(STAMP): | $(PY)
-	$(PIP_ENV) $(PY) -m pip install --quiet "$(TORCH_PIN)" $(TORCH_PIP_ARGS)
-	$(PIP_ENV) $(PY) -m pip install --quiet -e '.[test]'
+	@echo "==> [2/3] installing $(TORCH_PIN) $(TORCH_PIP_ARGS) into $(VENV) (the biggest download)"
+	$(PIP_ENV) $(PY) -m pip install "$(TORCH_PIN)" $(TORCH_PIP_ARGS)
+	@echo "==> [3/3] installing hyper-parallel (editable) with its test dependencies"
+	$(PIP_ENV) $(PY) -m pip install -e '.[test]'
 	rm -f $(VENV)/.hyper-parallel-installed-*
 	touch $@
+	@echo "==> installed; the next make test / make demo skips this"
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache results

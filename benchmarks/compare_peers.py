@@ -37,21 +37,22 @@ failed; 2 when some variant's losses differ from ``none``.
 from __future__ import annotations
 
 import argparse
-import json
+import copy
 import os
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 
 import torch  # noqa: E402
 
-import _common as C  # noqa: E402
-from hyper_parallel.bench.model import GPTConfig  # noqa: E402
+from hyper_parallel.bench import report, runner  # noqa: E402
+from hyper_parallel.bench.model import GPT, GPTConfig  # noqa: E402
+from hyper_parallel.bench.modes import PEER_VARIANTS, RECIPES  # noqa: E402
+from hyper_parallel.bench.report import MiB, fmt as _fmt, ratio as _ratio  # noqa: E402
 from hyper_parallel.core.activation_checkpoint import SwapManager  # noqa: E402
 
-MiB = C.MiB
 SWEEP_DEFAULT_VARIANTS = ["none", "torch_ckpt", "save_on_cpu", "torchtune_offload", "ours_recompute",
                           "ours_save", "ours_swap_wrapper", "ours_ckpt_swap", "ours_recompute_swapin"]
 SWEEP_DEFAULT_VALUES = {("layers", "cpu"): "4,8,16,32", ("layers", "acc"): "4,8,16,32",
@@ -76,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed rounds (default 9; 3 per sweep point)")
     p.add_argument("--warmup", type=int, default=1, help="unmetered warm-up steps per variant (default 1)")
     p.add_argument("--variants", default=None,
-                   help="comma-separated subset of: %s (default all; 'none' always runs)" % ",".join(C.VARIANTS))
+                   help="comma-separated variants (default: %s; any recipe of hyper_parallel.bench.modes: "
+                        "%s; 'none' always runs)" % (",".join(PEER_VARIANTS), ",".join(
+                            n for n in RECIPES if n not in PEER_VARIANTS)))
     p.add_argument("--sweep", choices=["layers", "seq"], default=None,
                    help="scaling curves instead of the single comparison")
     p.add_argument("--values", default=None,
@@ -100,12 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _variants(args) -> List[str]:
     if args.variants is None:
-        names = list(SWEEP_DEFAULT_VARIANTS) if args.sweep else list(C.VARIANTS)
+        names = list(SWEEP_DEFAULT_VARIANTS) if args.sweep else list(PEER_VARIANTS)
     else:
         names = [n.strip() for n in args.variants.split(",") if n.strip()]
-        bad = [n for n in names if n not in C.VARIANTS]
+        bad = [n for n in names if n not in RECIPES]
         if bad:
-            raise SystemExit(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(C.VARIANTS)}")
+            raise SystemExit(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(RECIPES)}")
     return list(dict.fromkeys(["none"] + names))
 
 
@@ -126,30 +129,20 @@ def _cfg(args, **override) -> GPTConfig:
     return GPTConfig(**kw)
 
 
-def _fmt(x: Optional[float], spec: str = "%.1f") -> str:
-    return "-" if x is None else spec % x
-
-
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
 # --------------------------------------------------------------------------- analysis
 
 def headline(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """Each of our variants against the best peer (lowest peak; fastest) and its like-for-like
     counterparts; plus best-of-ours against best-of-peers."""
     ok = {n: r for n, r in results.items() if r["peak_bytes"] is not None and r["step_time_s"] is not None}
-    peers = [n for n in C.PEERS if n in ok]
-    ours = [n for n in C.OURS if n in ok]
+    peers = [n for n in ok if RECIPES[n].who == "peer"]
+    ours = [n for n in ok if RECIPES[n].who == "ours"]
     out: Dict[str, Any] = {"per_variant": {}}
     if not peers:
         return out
     mem_peer = min(peers, key=lambda n: ok[n]["peak_bytes"])
     time_peer = min(peers, key=lambda n: ok[n]["step_time_s"])
-    off_peers = [n for n in peers if n in C.OFFLOADING]
+    off_peers = [n for n in peers if RECIPES[n].offloads]
     out["best_memory_peer"] = mem_peer
     out["best_time_peer"] = time_peer
     for n in ours:
@@ -158,7 +151,7 @@ def headline(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
             "time_vs_best_time_peer": _ratio(ok[n]["step_time_s"], ok[time_peer]["step_time_s"]),
             "counterparts": {},
         }
-        for c in C.COUNTERPARTS.get(n, []):
+        for c in RECIPES[n].counterparts:
             if c in ok:
                 row["counterparts"][c] = {"peak_ratio": _ratio(ok[n]["peak_bytes"], ok[c]["peak_bytes"]),
                                           "time_ratio": _ratio(ok[n]["step_time_s"], ok[c]["step_time_s"])}
@@ -169,7 +162,7 @@ def headline(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
                               "ratio": _ratio(ok[best_mem_ours]["peak_bytes"], ok[mem_peer]["peak_bytes"]),
                               "time_ratio": _ratio(ok[best_mem_ours]["step_time_s"], ok[mem_peer]["step_time_s"])}
         if off_peers:
-            ours_off = [n for n in ours if n in C.OFFLOADING]
+            ours_off = [n for n in ours if RECIPES[n].offloads]
             best_off_peer_t = min(off_peers, key=lambda n: ok[n]["step_time_s"])
             best_off_peer_m = min(off_peers, key=lambda n: ok[n]["peak_bytes"])
             if ours_off:
@@ -253,13 +246,7 @@ def format_table(results: Dict[str, Dict[str, Any]], losses: Dict[str, Any], wit
             row += [_fmt((ce.get("d2h") or {}).get("gbps")), _fmt((ce.get("h2d") or {}).get("gbps")),
                     _fmt((ce.get("total") or {}).get("overlap_fraction"), "%.2f")]
         rows.append(row)
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-
-    def fmt(row):
-        return "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
-                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-
-    return "\n".join([fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])
+    return report.table(header, rows, align="ll" + "r" * (len(header) - 2))
 
 
 def format_headline(h: Dict[str, Any]) -> str:
@@ -287,37 +274,24 @@ def format_headline(h: Dict[str, Any]) -> str:
 
 
 def format_stats(stats: Dict[str, Any]) -> str:
-    pool = stats.get("host_pool", {})
-    kept = ", ".join(f"{k}={v / MiB:.1f} MiB" for k, v in sorted(stats.get("kept_bytes", {}).items())) or "none"
-    return (f"SwapManager().stats(): offloaded {stats['offloaded_bytes'] / MiB:.1f} MiB in "
-            f"{stats['offload_launches']} launches, loaded {stats['loaded_bytes'] / MiB:.1f} MiB in "
-            f"{stats['load_launches']} launches, host waits offload {stats['wait_offload_s'] * 1e3:.1f} ms / "
-            f"load {stats['wait_load_s'] * 1e3:.1f} ms, kept on device: {kept}; host pool "
-            f"{pool.get('reserved_bytes', 0) / MiB:.1f} MiB reserved in {pool.get('allocations', 0)} buffers")
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, (int, float, str, bool)) or obj is None:
-        return obj
-    return str(obj)
+    return "SwapManager().stats(): " + report.swap_stats_line(stats)
 
 
 def _write_json(path: str, doc: Dict[str, Any], quiet: bool = False) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(_plain(doc), f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    report.write_json(path, doc)
     if not quiet:
         print(f"json written to {path}")
 
 
 # --------------------------------------------------------------------------- runs
+
+def loss_check(results: Dict[str, Dict[str, Any]], exact: bool, atol: float) -> Dict[str, Any]:
+    """Every variant's loss sequence against ``none``'s (bitwise when ``exact``)."""
+    base = results.get("none")
+    if base is None:
+        return {n: {"equal": None, "max_abs_diff": None} for n in results}
+    return {n: report.loss_check(r["losses"], base["losses"], exact, atol) for n, r in results.items()}
+
 
 def _loss_atol(args) -> float:
     if args.loss_atol is not None:
@@ -329,12 +303,12 @@ def run_compare(args, device: torch.device, dtype: torch.dtype) -> int:
     names = _variants(args)
     rounds = 9 if args.rounds is None else args.rounds
     cfg = _cfg(args)
-    env = C.environment(device)
+    env = report.environment(device)
     probe: Dict[str, Any] = {}
     use_probe = args.probe == "on" or (args.probe == "auto" and device.type != "cpu")
     if use_probe:
         try:
-            probe = C.probe_bandwidth(device, nbytes=args.probe_mib * MiB)
+            probe = runner.probe_bandwidth(device, nbytes=args.probe_mib * MiB)
         except Exception as exc:
             probe = {"error": f"{type(exc).__name__}: {exc}"}
     print(f"compare_peers on {device} ({env.get('device_name', platform_name())}), torch {torch.__version__}, "
@@ -342,12 +316,12 @@ def run_compare(args, device: torch.device, dtype: torch.dtype) -> int:
           f"batch={args.batch} vocab={cfg.vocab} dropout={cfg.dropout}; warmup {args.warmup}, 1 metered step, "
           f"{rounds} timed rounds", flush=True)
     t0 = time.perf_counter()
-    run = C.run_variants(names, cfg, batch=args.batch, device=device, dtype=dtype, rounds=rounds,
+    run = runner.run_variants(names, cfg, batch=args.batch, device=device, dtype=dtype, rounds=rounds,
                          warmup=args.warmup, lr=args.lr, seed=args.seed, trace_dir=args.trace,
                          profile_copies=use_probe and device.type != "cpu", trace_gz=args.trace_gz)
-    results = {n: C.summarize(v) for n, v in run.variants.items()}
+    results = {n: runner.summarize(v) for n, v in run.variants.items()}
     exact = device.type == "cpu"
-    losses = C.loss_check(results, exact, _loss_atol(args))
+    losses = loss_check(results, exact, _loss_atol(args))
     for n, r in results.items():
         r["loss_equal_to_none"] = losses[n]["equal"]
         r["loss_max_abs_diff"] = losses[n]["max_abs_diff"]
@@ -357,6 +331,7 @@ def run_compare(args, device: torch.device, dtype: torch.dtype) -> int:
     elapsed = time.perf_counter() - t0
 
     print(format_table(results, losses, with_copy=device.type != "cpu"))
+    print(report.legend([(n, RECIPES[n].what) for n in results]))
     print("loss comparison: " + ("bitwise (cpu)" if exact else f"|diff| <= {_loss_atol(args):g}"))
     for n, reason in run.skipped.items():
         print(f"skipped {n}: {reason}")
@@ -374,6 +349,7 @@ def run_compare(args, device: torch.device, dtype: torch.dtype) -> int:
         print(f"target {state:<7} {t['target']}: {_fmt(t['value'], '%.2f')} {t.get('detail', '')}".rstrip())
     if device.type == "cpu":
         print("copy-engine figures and targets: accelerator only (CPU copies are synchronous memcpy)")
+        print(report.CPU_TIMING_NOTE)
     print(format_stats(stats))
     if args.trace:
         print(f"chrome traces of one step per variant in {args.trace}")
@@ -388,10 +364,11 @@ def run_compare(args, device: torch.device, dtype: torch.dtype) -> int:
     if args.json:
         _write_json(args.json, doc)
     if args.png:
-        ok, why = C.have_matplotlib()
+        ok, why = report.have_matplotlib()
         if ok:
-            C.bar_chart(args.png, results, f"{device} {args.dtype}: layers={cfg.layers} dim={cfg.dim} "
-                                           f"seq={cfg.seq} batch={args.batch}")
+            report.bar_chart(args.png, results, f"{device} {args.dtype}: layers={cfg.layers} dim={cfg.dim} "
+                                           f"seq={cfg.seq} batch={args.batch}",
+                             time_label="median fwd+bwd step (ms)")
             print(f"chart written to {args.png}")
         else:
             print(why)
@@ -407,7 +384,7 @@ def run_sweep(args, device: torch.device, dtype: torch.dtype) -> int:
     rounds = 3 if args.rounds is None else args.rounds
     kind = "cpu" if device.type == "cpu" else "acc"
     values = [int(x) for x in (args.values or SWEEP_DEFAULT_VALUES[(args.sweep, kind)]).split(",") if x.strip()]
-    env = C.environment(device)
+    env = report.environment(device)
     print(f"compare_peers --sweep {args.sweep} {values} on {device}, torch {torch.__version__}, dtype {args.dtype}: "
           + ", ".join(f"{k}={getattr(args, k)}" for k in ("layers", "dim", "heads", "seq", "batch") if k != args.sweep)
           + "; "
@@ -419,19 +396,19 @@ def run_sweep(args, device: torch.device, dtype: torch.dtype) -> int:
     exact = device.type == "cpu"
     # One model is built for the largest value (GPT's init is slow on CPU): the layer sweep copies
     # its first N blocks, the seq sweep feeds it shorter sequences (positions and mask are sliced).
-    big = C.GPT(_cfg(args, **{args.sweep: max(values)}), seed=args.seed)
+    big = GPT(_cfg(args, **{args.sweep: max(values)}), seed=args.seed)
     for value in values:
         cfg = _cfg(args, **{args.sweep: value})
-        base = C.truncated_copy(big, value) if args.sweep == "layers" else C.copy.deepcopy(big)
-        with C.released_caches(device):
-            run = C.run_variants(names, cfg, batch=args.batch, device=device, dtype=dtype, rounds=rounds,
+        base = runner.truncated_copy(big, value) if args.sweep == "layers" else copy.deepcopy(big)
+        with runner.released_caches(device):
+            run = runner.run_variants(names, cfg, batch=args.batch, device=device, dtype=dtype, rounds=rounds,
                                  warmup=args.warmup, lr=args.lr, seed=args.seed, base_model=base,
                                  log=lambda s: None)
             del base
-            results = {n: C.summarize(v) for n, v in run.variants.items()}
+            results = {n: runner.summarize(v) for n, v in run.variants.items()}
             point_stats = SwapManager().stats()
             del run.variants
-        losses = C.loss_check(results, exact, _loss_atol(args))
+        losses = loss_check(results, exact, _loss_atol(args))
         for n, r in results.items():
             r["loss_equal_to_none"] = losses[n]["equal"]
         skipped.update(run.skipped)
@@ -454,16 +431,13 @@ def run_sweep(args, device: torch.device, dtype: torch.dtype) -> int:
             growth[n] = series[-1] / series[0]
     for title, key, scale in (("peak above params+buffers, MiB", "peak_above_static_bytes", 1 / MiB),
                               ("median fwd+bwd step, ms", "step_time_s", 1e3)):
+        peak = key.startswith("peak")
         print(f"{title} ({args.sweep} = {', '.join(str(v) for v in values)})")
-        w = max(len(n) for n in present) + 2
-        print("".ljust(w) + "".join(f"{v:>10}" for v in values) + ("      growth" if key.startswith("peak") else ""))
-        for n in present:
-            cells = []
-            for p in points:
-                r = p["results"].get(n)
-                cells.append(f"{r[key] * scale:>10.1f}" if r and r[key] is not None else f"{'-':>10}")
-            extra = f"{growth[n]:>11.2f}x" if key.startswith("peak") and n in growth else ""
-            print(n.ljust(w) + "".join(cells) + extra)
+        rows = [[n] + [_fmt(r[key] * scale if r and r[key] is not None else None)
+                       for r in (p["results"].get(n) for p in points)]
+                + ([_fmt(growth.get(n), "%.2fx")] if peak else []) for n in present]
+        header = ["variant"] + [str(v) for v in values] + (["growth"] if peak else [])
+        print(report.table(header, rows, align="l" + "r" * (len(header) - 1)))
     bad = sorted({f"{n}@{p['value']}" for p in points for n, r in p["results"].items()
                   if r["loss_equal_to_none"] is False})
     if bad:
@@ -484,9 +458,9 @@ def run_sweep(args, device: torch.device, dtype: torch.dtype) -> int:
     if args.json:
         _write_json(args.json, doc)
     if args.png:
-        ok, why = C.have_matplotlib()
+        ok, why = report.have_matplotlib()
         if ok:
-            C.sweep_chart(args.png, args.sweep, points,
+            report.sweep_chart(args.png, args.sweep, points,
                           f"{device} {args.dtype}, sweep {args.sweep}: " + ", ".join(
                               f"{k}={getattr(args, k)}" for k in ("layers", "dim", "heads", "seq", "batch")
                               if k != args.sweep))

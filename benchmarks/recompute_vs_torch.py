@@ -1,13 +1,17 @@
 """Step time of hyper-parallel's recompute against PyTorch's own, on the same model.
 
-Four variants, timed interleaved (one step of each per round, many rounds) so that machine noise
-hits all of them alike; medians are reported with the ratio ours / PyTorch's:
+Four variants (recipes of ``hyper_parallel.bench.modes``), timed interleaved by the shared runner
+(one step of each per round, the order reversed every other round, many rounds) so that machine
+noise hits all of them alike; medians are reported with the ratio ours / PyTorch's:
 
-- ``torch_full``: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` around each layer
-- ``ours_full``: ``checkpoint_wrapper(layer)``
-- ``torch_sac``: PyTorch selective checkpoint (``create_selective_checkpoint_contexts``) saving
-  ``mm/addmm/bmm`` and recomputing the rest
-- ``ours_sac``: ``checkpoint_wrapper(layer, policy_fn=...)`` with the same policy
+- ``torch_full`` (``torch_ckpt``): ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` around
+  each layer
+- ``ours_full`` (``ours_recompute``): ``checkpoint_wrapper(layer)``
+- ``torch_sac`` (``torch_sac``): PyTorch selective checkpoint (``create_selective_checkpoint_contexts``)
+  saving ``mm/addmm/bmm`` and recomputing the rest
+- ``ours_sac`` (``ours_save``): ``checkpoint_wrapper(layer, policy_fn=save_matmuls)``, the same policy
+
+The timed region is forward + backward; the weights stay fixed (SGD with lr 0).
 
 Run::
 
@@ -18,86 +22,21 @@ Run::
 from __future__ import annotations
 
 import argparse
-import functools
-import json
-import statistics
+import os
 import sys
-import time
-from typing import Callable, Dict, List
+from typing import List, Optional
 
-import torch
-import torch.utils.checkpoint as torch_ckpt
-from torch import nn
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 
-from hyper_parallel.bench.model import GPT, GPTConfig, make_batch
-from hyper_parallel.core.activation_checkpoint import CheckpointPolicy, checkpoint_wrapper
+import torch  # noqa: E402
 
-HEAVY = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
-
-
-def torch_policy(ctx, op, *args, **kwargs):
-    P = torch_ckpt.CheckpointPolicy
-    return P.MUST_SAVE if op in HEAVY else P.PREFER_RECOMPUTE
+from hyper_parallel.bench import report, runner  # noqa: E402
+from hyper_parallel.bench.model import GPTConfig  # noqa: E402
+from hyper_parallel.bench.modes import RECOMPUTE_VS_TORCH  # noqa: E402
+from hyper_parallel.bench.timing import median  # noqa: E402
 
 
-def our_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in HEAVY else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-class TorchCheckpointed(nn.Module):
-    """PyTorch's way: a wrapper module around each layer."""
-
-    def __init__(self, inner: nn.Module, selective: bool) -> None:
-        super().__init__()
-        self.inner = inner
-        self.context_fn = (functools.partial(torch_ckpt.create_selective_checkpoint_contexts, torch_policy)
-                           if selective else torch_ckpt.noop_context_fn)
-
-    def forward(self, x, *, mask):
-        return torch_ckpt.checkpoint(self.inner, x, mask=mask, use_reentrant=False,
-                                     context_fn=self.context_fn)
-
-
-def build(variant: str, cfg: GPTConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    model = GPT(cfg, seed=0).to(device=device, dtype=dtype)
-    for i, layer in enumerate(model.layers):
-        if variant == "torch_full":
-            model.layers[i] = TorchCheckpointed(layer, selective=False)
-        elif variant == "torch_sac":
-            model.layers[i] = TorchCheckpointed(layer, selective=True)
-        elif variant == "ours_full":
-            model.layers[i] = checkpoint_wrapper(layer)
-        elif variant == "ours_sac":
-            model.layers[i] = checkpoint_wrapper(layer, policy_fn=our_policy)
-        else:
-            raise ValueError(variant)
-    return model
-
-
-def sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize()
-
-
-def make_step(model: nn.Module, cfg: GPTConfig, batch: int, device: torch.device) -> Callable[[], float]:
-    tokens, targets = make_batch(cfg, batch, seed=0)
-    tokens, targets = tokens.to(device), targets.to(device)
-
-    def step() -> float:
-        sync(device)
-        t0 = time.perf_counter()
-        logits = model(tokens)
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
-        sync(device)
-        dt = time.perf_counter() - t0
-        model.zero_grad(set_to_none=True)
-        return dt
-
-    return step
-
-
-def main(argv: List[str] | None = None) -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=256)
@@ -112,31 +51,27 @@ def main(argv: List[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
     cfg = GPTConfig(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, dropout=0.0)
-    variants = ["torch_full", "ours_full", "torch_sac", "ours_sac"]
-    steps = {v: make_step(build(v, cfg, device, dtype), cfg, args.batch, device) for v in variants}
-    for _ in range(args.warmup):
-        for v in variants:
-            steps[v]()
-    times: Dict[str, List[float]] = {v: [] for v in variants}
-    for r in range(args.rounds):
-        order = variants if r % 2 == 0 else variants[::-1]  # alternate order: no position bias
-        for v in order:
-            times[v].append(steps[v]())
-    med = {v: statistics.median(ts) for v, ts in times.items()}
+    run = runner.run_variants(list(RECOMPUTE_VS_TORCH.values()), cfg, batch=args.batch, device=device,
+                              dtype=getattr(torch, args.dtype), rounds=args.rounds, warmup=args.warmup,
+                              lr=0.0, seed=0, metered=False)
+    for name, why in {**run.skipped, **run.errors}.items():
+        print(f"FAILED {name}: {why}", file=sys.stderr)
+    if run.skipped or run.errors:
+        return 1
+    times = {row: run.variants[recipe].times for row, recipe in RECOMPUTE_VS_TORCH.items()}
+    med = {row: median(ts) for row, ts in times.items()}
     ratios = {"full": med["ours_full"] / med["torch_full"], "selective": med["ours_sac"] / med["torch_sac"]}
     print(f"device={device} torch={torch.__version__} config={cfg.to_dict()} batch={args.batch} "
           f"rounds={args.rounds}")
-    print(f"{'variant':<12}{'median ms':>12}{'min ms':>10}")
-    for v in variants:
-        print(f"{v:<12}{med[v] * 1e3:>12.2f}{min(times[v]) * 1e3:>10.2f}")
+    print(report.table(["variant", "median ms", "min ms"],
+                       [[row, "%.2f" % (med[row] * 1e3), "%.2f" % (min(times[row]) * 1e3)] for row in times],
+                       align="lrr"))
     print(f"ratio full recompute  ours/torch = {ratios['full']:.3f}")
     print(f"ratio selective (SAC) ours/torch = {ratios['selective']:.3f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": str(device), "torch": torch.__version__, "config": cfg.to_dict(),
-                       "median_s": med, "ratios": ratios}, f, indent=2)
+        report.write_json(args.json, {"device": str(device), "torch": torch.__version__, "config": cfg.to_dict(),
+                                      "median_s": med, "ratios": ratios})
     return 0
 
 

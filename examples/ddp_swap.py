@@ -3,8 +3,8 @@
     torchrun --nproc_per_node=2 examples/ddp_swap.py            # CPU: gloo; GPUs: nccl
     torchrun --nproc_per_node=2 examples/ddp_swap.py --no-swap  # the same without recompute/swap
 
-The supported order: wrap the layers (checkpoint_wrapper / swap_wrapper), chain them with
-``SwapManager().set_forward_prefetch_layer``, *then* wrap the model in DDP. Every rank trains on its
+The supported order: wrap and chain the layers (``wrap_layers``, or checkpoint_wrapper / swap_wrapper
+plus ``SwapManager().set_forward_prefetch_layer``), *then* wrap the model in DDP. Every rank trains on its
 shard of a global batch; DDP averages the gradients, so training equals one process on the whole
 batch. Prints each rank's loss and peak device memory per step.
 """
@@ -25,8 +25,7 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hyper_parallel.bench.model import GPT, GPTConfig, make_batch  # noqa: E402
-from hyper_parallel.core.activation_checkpoint import (CheckpointPolicy, SwapManager,  # noqa: E402
-                                                       checkpoint_wrapper, swap_wrapper)
+from hyper_parallel.core.activation_checkpoint import CheckpointPolicy, SwapManager, wrap_layers  # noqa: E402
 from hyper_parallel.tools.memory import MemoryMeter  # noqa: E402
 
 HEAVY = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
@@ -68,15 +67,10 @@ def main() -> None:
     cfg = GPTConfig(vocab=256, dim=128, heads=4, layers=4, seq=128, dropout=0.0)
     model = GPT(cfg, seed=0).to(device)
     if not args.no_swap:
-        # 1. wrap: even layers recompute with swapped matmuls (and inputs), odd layers swap all
-        for i, layer in enumerate(model.layers):
-            if i % 2 == 0:
-                checkpoint_wrapper(layer, policy_fn=swap_matmuls, swap_inputs=True)
-            else:
-                swap_wrapper(layer)
-        # 2. chain: offload layer i while layer i+1 computes, prefetch it during i+1's backward
-        for i in range(len(model.layers) - 1):
-            SwapManager().set_forward_prefetch_layer(model.layers[i], model.layers[i + 1])
+        # 1. wrap + chain in one call: every layer recomputes with its matmul outputs (and its
+        #    inputs) swapped; layer i is offloaded while layer i+1 computes and prefetched during
+        #    layer i+1's backward
+        wrap_layers(model.layers, policy_fn=swap_matmuls, swap_inputs=True)
     # 3. then DDP
     ddp = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)

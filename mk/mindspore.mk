@@ -24,6 +24,7 @@ MS_TEST_ENV     := HYPER_PARALLEL_PLATFORM=mindspore GLOG_v=3
 .PHONY: test-mindspore test-mindspore-quick install-mindspore
 
 test-mindspore: $(MS_STAMP)
+	@echo "==> pytest tests_mindspore (HYPER_PARALLEL_PLATFORM=mindspore)"
 	$(MS_TEST_ENV) $(MS_PY) -m pytest tests_mindspore $(PYTEST_ARGS)
 
 test-mindspore-quick: $(MS_STAMP)
@@ -32,9 +33,12 @@ test-mindspore-quick: $(MS_STAMP)
 install-mindspore: $(MS_STAMP)
 
 $(MS_PY):
+	@echo "==> [1/2] creating the virtualenv $(MS_VENV)"
 	$(PYTHON3) -m venv $(MS_VENV)
 
 $(MS_STAMP): | $(MS_PY)
-	$(MS_PIP_ENV) $(MS_PY) -m pip install --quiet "$(MS_PIN)" "$(MS_NUMPY_PIN)" pytest $(MS_PIP_ARGS)
+	@echo "==> [2/2] installing $(MS_PIN) ($(MS_NUMPY_PIN), pytest) into $(MS_VENV): about 0.9 GB to download"
+	$(MS_PIP_ENV) $(MS_PY) -m pip install "$(MS_PIN)" "$(MS_NUMPY_PIN)" pytest $(MS_PIP_ARGS)
 	rm -f $(MS_VENV)/.hyper-parallel-ms-installed-*
 	touch $@
+	@echo "==> installed; the next make test-mindspore skips this"

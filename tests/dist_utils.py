@@ -12,6 +12,7 @@ batch (each rank computes that reference itself: the model is tiny).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -20,12 +21,13 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LR = 0.1
@@ -143,13 +145,8 @@ def wrap_gpt_layers(model: nn.Module, chain: bool = True) -> None:
         else:
             ac.swap_wrapper(layer)
     if chain:
+        from hyper_parallel.bench.modes import chain_layers
         chain_layers(model.layers)
-
-
-def chain_layers(layers: Sequence[nn.Module]) -> None:
-    ac = _api()
-    for i in range(len(layers) - 1):
-        ac.SwapManager().set_forward_prefetch_layer(layers[i], layers[i + 1])
 
 
 def gpt_reference(steps: Sequence[int]) -> Dict[str, torch.Tensor]:
@@ -359,6 +356,7 @@ def scenario_fault_ddp(rank: int, world: int) -> Dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             if step == 2:
                 ac.SwapManager().reset()
+                from hyper_parallel.bench.modes import chain_layers
                 chain_layers(model.layers)
             out["after_abort"].append({"step": step, "counts": group_tensor_counts(), **swap_summary()})
     out["max_diff"] = max_diff(model.state_dict(), gpt_reference([0, 1, 2]))
@@ -569,6 +567,256 @@ def scenario_fault_pipeline(rank: int, world: int) -> Dict[str, Any]:
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# zero-bubble schedules: the split backward recomputes once
+# ----------------------------------------------------------------------------------------------
+ZB_STAGES, ZB_MB = 4, 4
+
+
+def zb_hidden(stage: int) -> int:
+    """Each stage's hidden size differs, so an op count attributes every ``gelu`` to its stage."""
+    return 48 + 16 * stage
+
+
+class ZBBlock(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, hidden)
+        self.fc2 = nn.Linear(hidden, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+def zb_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[ZBBlock(zb_hidden(s)) for s in range(ZB_STAGES)])
+
+
+def zb_reference(steps: Sequence[int]) -> nn.Sequential:
+    model = zb_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in steps:
+        x, y = pipeline_batch(step)
+        pipeline_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+class OpCounts(TorchDispatchMode):
+    """Counts the ATen ops that run below it, under ``key(op, args)`` (ops keyed ``None`` are not
+    counted): recomputation is read from the ops that ran, not from the library's counters."""
+
+    def __init__(self, key: Callable[[Any, Tuple[Any, ...]], Any]) -> None:
+        super().__init__()
+        self.key = key
+        self.counts: Dict[Any, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        k = self.key(func, args)
+        if k is not None:
+            self.counts[k] = self.counts.get(k, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _gelu_by_hidden(func: Any, args: Tuple[Any, ...]) -> Optional[int]:
+    """``aten.gelu`` (forward and recomputation only: backward runs ``gelu_backward``), keyed by
+    its input's hidden size, i.e. by stage."""
+    return args[0].shape[-1] if func is torch.ops.aten.gelu.default else None
+
+
+def _zb_stage_indices(kind: str, rank: int, world: int) -> List[int]:
+    if kind == "zbv":
+        return [rank, 2 * world - 1 - rank]  # the V: rank 0 holds the first and the last stage
+    return [rank + world * i for i in range(ZB_STAGES // world)]  # interleaved loop
+
+
+def _run_zero_bubble(rank: int, world: int, kind: str, wrap: Optional[str], adapter: Optional[str],
+                     steps: int = 2) -> Dict[str, Any]:
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+    from hyper_parallel.tools.memory import MemoryMeter
+    ac = _api()
+    ac.SwapManager().reset()
+    model = zb_model()
+    indices = _zb_stage_indices(kind, rank, world)
+    mods = [model[i] for i in indices]
+    for block in mods:
+        if wrap == "whole":
+            ac.checkpoint_wrapper(block)
+        elif wrap == "selective_swap":  # MUST_SWAP matmuls, swapped inputs
+            ac.checkpoint_wrapper(block, policy_fn=swap_matmuls, swap_inputs=True)
+        elif wrap == "exclude":  # the norm kept, the MLP recomputed
+            ac.checkpoint_exclude_wrapper(block.norm)
+            ac.checkpoint_wrapper(block, policy_fn=[torch.ops.aten.addmm.default])
+    stages = [PipelineStage(m, i, ZB_STAGES, torch.device("cpu")) for m, i in zip(mods, indices)]
+    cls = {"zbv": ScheduleZBVZeroBubble, "izb": ScheduleInterleavedZeroBubble}[kind]
+    schedule = cls(stages, ZB_MB, loss_fn=pipeline_loss)
+    if adapter == "recompute":
+        ac.pipeline_recompute(schedule)
+    elif adapter == "swap":
+        ac.pipeline_swap(schedule, prefetch=1)
+    twice = None
+    if adapter is not None:  # the two adapters are exclusive (pipeline_swap includes the sessions)
+        try:
+            (ac.pipeline_swap if adapter == "recompute" else ac.pipeline_recompute)(schedule)
+        except ValueError as exc:
+            twice = str(exc)
+    params = [p for m in mods for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=LR)
+    gelu_per_step: List[Dict[int, int]] = []
+    live_after: List[int] = []
+    for step in range(steps):
+        x, y = pipeline_batch(step)
+        counter = OpCounts(_gelu_by_hidden)
+        with MemoryMeter("cpu", track=[mods, opt], scan_gc=False) as meter:
+            with counter:
+                kwargs: Dict[str, Any] = {}
+                if 0 in indices:
+                    kwargs["x"] = x
+                if ZB_STAGES - 1 in indices:
+                    kwargs.update(target=y, losses=[])
+                args = (kwargs.pop("x"),) if "x" in kwargs else ()
+                out = schedule.step(*args, **kwargs)
+            del out, kwargs, args
+            gc.collect()
+        live_after.append(meter.current_bytes - meter.baseline_bytes)
+        gelu_per_step.append({str(i): counter.counts.get(zb_hidden(i), 0) for i in indices})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ref = zb_reference(range(steps))
+    ref_state = {f"{i}.{k}": v for i in indices for k, v in ref[i].state_dict().items()}
+    state = {f"{i}.{k}": v for i, m in zip(indices, mods) for k, v in m.state_dict().items()}
+    mgr = ac.SwapManager()
+    return {
+        "kind": kind, "wrap": wrap, "adapter": adapter, "stages": indices, "second_adapter_error": twice,
+        "max_diff": max_diff(state, ref_state),
+        "gelu_per_step": gelu_per_step,  # per stage index: forward + recomputations
+        "live_bytes_after_step": live_after,
+        "open_sessions": sum(len(getattr(st, "_hp_sessions", {})) for st in stages),
+        "groups_after": [n for n in mgr.group_names() if n.startswith("pp")],
+        "host_in_use_bytes": mgr.stats()["host_pool"]["in_use_bytes"],
+        "offloaded_bytes": mgr.stats()["offloaded_bytes"],
+    }
+
+
+ZB_CONFIGS = [  # (schedule, wrapping, adapter)
+    ("izb", None, None),                  # not checkpointed: the memory baseline
+    ("izb", "whole", "recompute"),
+    ("izb", "selective_swap", "swap"),
+    ("zbv", "whole", "recompute"),
+    ("zbv", "selective_swap", "swap"),
+    ("zbv", "exclude", "recompute"),
+]
+
+
+def scenario_zero_bubble(rank: int, world: int) -> Dict[str, Any]:
+    return {f"{k}-{w}-{a}": _run_zero_bubble(rank, world, k, w, a) for k, w, a in ZB_CONFIGS}
+
+
+# ----------------------------------------------------------------------------------------------
+# tensor parallelism with functional collectives: recomputation never re-runs them
+# ----------------------------------------------------------------------------------------------
+def _tp_functions():
+    c10d = torch.ops._c10d_functional
+
+    class CopyToTP(torch.autograd.Function):
+        """Megatron's f: identity forward, all-reduce of the gradient in backward."""
+
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return c10d.wait_tensor(c10d.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+    class ReduceFromTP(torch.autograd.Function):
+        """Megatron's g: all-reduce forward, identity backward."""
+
+        @staticmethod
+        def forward(ctx, x, group):
+            return c10d.wait_tensor(c10d.all_reduce(x, "sum", group))
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    return CopyToTP, ReduceFromTP
+
+
+class TPLayers(nn.Module):
+    """The two ``MLPBlock`` s of ``pipeline_model(1)`` split across the ranks, Megatron style
+    (column-parallel fc1, row-parallel fc2), as one module: checkpointed as one region, the first
+    block's all-reduce feeds the second block, whose ops save tensors for backward, so a plain
+    recomputation has to re-run that all-reduce."""
+
+    def __init__(self, full: nn.Sequential, rank: int, world: int) -> None:
+        super().__init__()
+        part = HIDDEN // world
+        rows = slice(rank * part, (rank + 1) * part)
+        self.norms = nn.ModuleList(b.norm for b in full)
+        self.w1 = nn.ParameterList(nn.Parameter(b.fc1.weight.detach()[rows].clone()) for b in full)
+        self.b1 = nn.ParameterList(nn.Parameter(b.fc1.bias.detach()[rows].clone()) for b in full)
+        self.w2 = nn.ParameterList(nn.Parameter(b.fc2.weight.detach()[:, rows].clone()) for b in full)
+        self.b2 = nn.ParameterList(b.fc2.bias for b in full)
+        self.group = dist.group.WORLD.group_name
+        self.copy_to, self.reduce_from = _tp_functions()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, norm in enumerate(self.norms):
+            h = self.copy_to.apply(norm(x), self.group)
+            h = F.gelu(F.linear(h, self.w1[i], self.b1[i]))
+            x = x + self.reduce_from.apply(F.linear(h, self.w2[i]), self.group) + self.b2[i]
+        return x
+
+
+def _run_tp(rank: int, world: int, mode: str) -> Dict[str, Any]:
+    ac = _api()
+    c10d = torch.ops._c10d_functional
+    names = {c10d.all_reduce.default: "all_reduce", c10d.wait_tensor.default: "wait_tensor",
+             torch.ops.aten.gelu.default: "gelu"}
+
+    def key(func: Any, args: Tuple[Any, ...]) -> Optional[str]:
+        return names.get(func)
+
+    full = pipeline_model(1)  # 2 MLPBlocks
+    layers = TPLayers(full, rank, world)
+    if mode == "prefer_recompute":
+        ac.checkpoint_wrapper(layers, policy_fn=lambda ctx, op, *a, **k: ac.CheckpointPolicy.PREFER_RECOMPUTE)
+    elif mode == "keep_collectives":
+        ac.checkpoint_wrapper(layers, policy_fn=ac.keep_collectives())
+    elif mode == "whole":
+        ac.checkpoint_wrapper(layers)
+    x, y = pipeline_batch(0)
+    x.requires_grad_()
+    fwd, bwd = OpCounts(key), OpCounts(key)
+    with fwd:
+        loss = pipeline_loss(layers(x), y)
+    with bwd:
+        loss.backward()
+    grads = {n: p.grad for n, p in layers.named_parameters()}
+    # single process, whole model: the same gradients (summed in another order)
+    pipeline_loss(full(x.detach()), y).backward()
+    part = HIDDEN // world
+    rows = slice(rank * part, (rank + 1) * part)
+    ref = {}
+    for i, b in enumerate(full):
+        ref.update({f"norms.{i}.weight": b.norm.weight.grad, f"norms.{i}.bias": b.norm.bias.grad,
+                    f"w1.{i}": b.fc1.weight.grad[rows], f"b1.{i}": b.fc1.bias.grad[rows],
+                    f"w2.{i}": b.fc2.weight.grad[:, rows], f"b2.{i}": b.fc2.bias.grad})
+    assert set(ref) == set(grads), (sorted(ref), sorted(grads))
+    return {"forward": fwd.counts, "backward": bwd.counts,
+            "grads": {k: v.tolist() for k, v in grads.items()},
+            "max_diff_single_process": max((grads[k] - ref[k]).abs().max().item() for k in grads)}
+
+
+def scenario_tp_collectives(rank: int, world: int) -> Dict[str, Any]:
+    return {mode: _run_tp(rank, world, mode) for mode in ("plain", "prefer_recompute", "keep_collectives", "whole")}
+
+
 SCENARIOS: Dict[str, Callable[[int, int], Dict[str, Any]]] = {
     "ddp": scenario_ddp,
     "fsdp2": scenario_fsdp2,
@@ -576,6 +824,8 @@ SCENARIOS: Dict[str, Callable[[int, int], Dict[str, Any]]] = {
     "fault_ddp": scenario_fault_ddp,
     "pipeline": scenario_pipeline,
     "fault_pipeline": scenario_fault_pipeline,
+    "zero_bubble": scenario_zero_bubble,
+    "tp_collectives": scenario_tp_collectives,
 }
 
 

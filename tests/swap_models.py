@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyper_parallel.bench.modes import chain_layers
 from hyper_parallel.core.activation_checkpoint import SwapManager
 
 __all__ = [
@@ -86,10 +87,8 @@ def make_input(net: ToyNet, batch: int = 4, seed: int = 0) -> torch.Tensor:
 
 
 def chain(layers: Sequence[nn.Module]) -> None:
-    mgr = SwapManager()
-    layers = list(layers)
-    for i in range(len(layers) - 1):
-        mgr.set_forward_prefetch_layer(layers[i], layers[i + 1])
+    """Chain layers that were wrapped one by one (the bench's helper; wrap_layers does both)."""
+    chain_layers(layers)
 
 
 def grads(model: nn.Module) -> Dict[str, torch.Tensor]:

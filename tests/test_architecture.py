@@ -65,3 +65,11 @@ def test_public_api_binds_the_torch_backend():
     assert api.SwapManager().backend is active_backend()
     for name in api.__all__:
         assert getattr(api, name).__doc__, name
+
+
+def test_architecture_doc_lists_every_backend_primitive():
+    from hyper_parallel.core.backend import Backend
+
+    doc = open(os.path.join(os.path.dirname(PACKAGE), "docs", "architecture.md")).read()
+    missing = sorted(name for name in Backend.__abstractmethods__ if f"`{name}`" not in doc)
+    assert not missing, f"docs/architecture.md does not list the backend primitives {missing}"

@@ -1,6 +1,8 @@
 """Smoke tests of the benchmark scripts at tiny size: they run, write their JSON / chart / traces, and
 report what they must (losses equal to the baseline, bytes moved, the headline, skip reasons).
-No timing assertions: the numbers themselves are for docs/benchmarks.md."""
+The scripts are thin: their variants, timer, runner and reporter are ``hyper_parallel.bench``'s
+(tests/test_bench_smoke.py). No timing assertions and no time limits (only a guard against a hung
+process): the numbers themselves are for docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 HAVE_ACC = torch.accelerator.is_available()
+# Only a guard against a hung subprocess, never a speed check: a busy machine must not fail a test.
+HANG_GUARD_S = 60 * 60
 
 
 def _env(**extra):
@@ -27,23 +31,24 @@ def _env(**extra):
     return env
 
 
-def _run(argv, tmp_path, timeout=300, **env):
+def _run(argv, tmp_path, **env):
     proc = subprocess.run(argv, cwd=str(tmp_path), env=_env(**env), capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+                          timeout=HANG_GUARD_S, stdin=subprocess.DEVNULL)
     return proc, f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
 
 
 @pytest.mark.slow
 def test_gpu_suite_tiny_runs_every_stage(tmp_path):
     """The whole suite at the smoke-test size (on CPU via SUITE_ALLOW_CPU when there is no GPU):
-    compare_peers with traces, and both sweeps."""
+    compare_peers with traces, and both sweeps. At this size the suite sets no stage time limit."""
     out = tmp_path / "out"
     proc, report = _run(["bash", os.path.join(BENCH, "gpu_suite.sh")], tmp_path, OUT=str(out),
                         PYTHON=sys.executable, SUITE_QUICK="tiny", SUITE_ALLOW_CPU="1")
     assert proc.returncode == 0, report
     summary = (out / "summary.txt").read_text()
-    for stage in ("compare", "sweep_layers", "sweep_seq"):
+    for stage in ("compare", "sweep_layers", "sweep_seq", "bench_trace"):
         assert f"--- [{stage}] ok" in summary, summary
+    assert "TIMED OUT" not in summary
     assert (out / "env.txt").exists()
 
     # --- compare_peers
@@ -74,6 +79,8 @@ def test_gpu_suite_tiny_runs_every_stage(tmp_path):
     assert doc["swap_manager_stats"]["offloaded_bytes"] > 0
     log = (out / "compare.log").read_text()
     assert "SwapManager().stats()" in log and "headline" in log
+    legend = log.split("legend:\n", 1)[1].splitlines()
+    assert [line.split()[0] for line in legend[:len(results)]] == list(results)  # one line per row
     # one Chrome trace per variant; the swap variants show the engine's named ranges
     from hyper_parallel.bench.trace import range_names
 
@@ -92,6 +99,11 @@ def test_gpu_suite_tiny_runs_every_stage(tmp_path):
             assert "ours_ckpt_swap" in p["results"] and "none" in p["results"]
             assert all(r["loss_equal_to_none"] for r in p["results"].values())
         assert "none" in sweep["growth"]
+    # --- python -m hyper_parallel.bench --trace: one trace per mode, every mode matching none
+    bench = json.loads((out / "bench.json").read_text())
+    assert [r["mode"] for r in bench["results"]] == ["none", "recompute", "save", "swap"]
+    assert all(r["matches_baseline"] for r in bench["results"])
+    assert {p.name for p in (out / "bench_traces").iterdir()} == {f"{m}.json" for m in ("none", "recompute", "save", "swap")}
     if HAVE_MPL:
         for png in ("compare.png", "sweep_layers.png", "sweep_seq.png"):
             assert (out / png).stat().st_size > 1000, png
@@ -101,8 +113,8 @@ def test_gpu_suite_tiny_runs_every_stage(tmp_path):
 @pytest.mark.skipif(HAVE_ACC, reason="checks the no-accelerator path")
 def test_gpu_suite_fails_fast_without_an_accelerator(tmp_path):
     out = tmp_path / "out"
-    proc, report = _run(["bash", os.path.join(BENCH, "gpu_suite.sh")], tmp_path, timeout=120,
-                        OUT=str(out), PYTHON=sys.executable)
+    proc, report = _run(["bash", os.path.join(BENCH, "gpu_suite.sh")], tmp_path, OUT=str(out),
+                        PYTHON=sys.executable)
     assert proc.returncode == 3, report
     assert "no accelerator" in proc.stderr, report
     assert not out.exists()  # nothing ran, nothing written
@@ -111,7 +123,7 @@ def test_gpu_suite_fails_fast_without_an_accelerator(tmp_path):
 @pytest.mark.slow
 def test_compare_peers_rejects_unknown_variant(tmp_path):
     proc, report = _run([sys.executable, os.path.join(BENCH, "compare_peers.py"), "--variants", "nope"],
-                        tmp_path, timeout=120)
+                        tmp_path)
     assert proc.returncode != 0 and "unknown variant" in (proc.stderr + proc.stdout), report
 
 
@@ -124,4 +136,6 @@ def test_recompute_vs_torch_tiny(tmp_path):
     assert proc.returncode == 0, report
     doc = json.loads(out.read_text())
     assert set(doc["ratios"]) == {"full", "selective"}
+    assert set(doc["median_s"]) == {"torch_full", "ours_full", "torch_sac", "ours_sac"}
     assert all(v > 0 for v in doc["median_s"].values())
+    assert "ratio full recompute" in proc.stdout and "ratio selective (SAC)" in proc.stdout

@@ -158,6 +158,79 @@ def test_pipeline_last_stage_of_1f1b_offloads_nothing(dist_results):
 
 
 # ---------------------------------------------------------------------------------------------
+# zero-bubble schedules (split backward): one recomputation per micro-batch per stage
+# ---------------------------------------------------------------------------------------------
+def _zero_bubble(dist_results) -> List[Dict[str, Dict[str, Any]]]:
+    per_rank = results(dist_results, "zero_bubble")
+    return [{k: v for k, v in r.items() if isinstance(v, dict)} for r in per_rank]
+
+
+@uses("zero_bubble")
+def test_zero_bubble_schedules_match_single_process(dist_results):
+    for rank, configs in enumerate(_zero_bubble(dist_results)):
+        assert set(configs) == {f"{k}-{w}-{a}" for k, w, a in dist_utils.ZB_CONFIGS}
+        for name, res in configs.items():
+            assert res["max_diff"] <= ATOL, (rank, name, res["max_diff"])
+
+
+@uses("zero_bubble")
+def test_zero_bubble_recomputes_once_per_microbatch_per_stage(dist_results):
+    """``gelu`` runs in forward and when a region is recomputed (backward runs ``gelu_backward``);
+    each stage has its own hidden size, so the op counts say which stage ran it. Step 1 is counted
+    (step 0 adds the stages' shape inference: one more forward, and one more backward on every
+    stage but the first)."""
+    n = dist_utils.ZB_MB
+    for rank, configs in enumerate(_zero_bubble(dist_results)):
+        for name, res in configs.items():
+            counts = res["gelu_per_step"][1]
+            assert len(counts) == 2, (rank, name, counts)  # two stages per rank
+            expected = n if res["wrap"] is None else 2 * n  # forward + exactly one recomputation
+            assert all(c == expected for c in counts.values()), (rank, name, counts)
+
+
+@uses("zero_bubble")
+def test_zero_bubble_frees_what_the_weight_half_needed(dist_results):
+    """After each step, the live bytes the step created (gradients, losses, outputs) are those of
+    the same schedule without checkpointing: no recomputed activation, kept op output, swap
+    group or host buffer survives the step, and no recompute session is left open."""
+    for rank, configs in enumerate(_zero_bubble(dist_results)):
+        baseline = configs["izb-None-None"]["live_bytes_after_step"]
+        zbv = configs["zbv-whole-recompute"]["live_bytes_after_step"]
+        for name, res in configs.items():
+            assert res["live_bytes_after_step"] == (baseline if res["kind"] == "izb" else zbv), (rank, name, res)
+            assert res["open_sessions"] == 0 and res["groups_after"] == [], (rank, name, res)
+            assert res["host_in_use_bytes"] == 0, (rank, name, res)
+            if res["adapter"] == "swap":
+                assert res["offloaded_bytes"] > 0, (rank, name, res)
+            if res["adapter"] is not None:
+                assert "already has pipeline_swap or pipeline_recompute" in res["second_adapter_error"], res
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor parallelism: recomputation never re-runs a collective
+# ---------------------------------------------------------------------------------------------
+@uses("tp_collectives")
+def test_tensor_parallel_recompute_issues_no_extra_collectives(dist_results):
+    for rank, modes in enumerate(results(dist_results, "tp_collectives")):
+        plain = modes["plain"]
+        assert plain["forward"] == {"all_reduce": 2, "wait_tensor": 2, "gelu": 2}, plain["forward"]
+        for mode in ("prefer_recompute", "keep_collectives"):
+            res = modes[mode]
+            assert res["forward"] == plain["forward"], (rank, mode, res["forward"])
+            # the backward's own all-reduces (column-parallel input gradients) and nothing more
+            assert res["backward"]["all_reduce"] == plain["backward"]["all_reduce"], (rank, mode, res)
+            assert res["backward"]["wait_tensor"] == plain["backward"]["wait_tensor"], (rank, mode, res)
+            assert res["backward"]["gelu"] == 2, (rank, mode, res)  # the rest was recomputed
+        # documented: whole-region recompute (no policy) re-runs the first block's all-reduce
+        # (the second one comes after the region's last saved tensor: early stop skips it)
+        assert modes["whole"]["backward"]["all_reduce"] == plain["backward"]["all_reduce"] + 1
+        for mode in ("plain", "prefer_recompute", "keep_collectives", "whole"):
+            res = modes[mode]
+            assert res["grads"] == plain["grads"], (rank, mode)   # bit for bit
+            assert res["max_diff_single_process"] <= ATOL, (rank, mode, res["max_diff_single_process"])
+
+
+# ---------------------------------------------------------------------------------------------
 # faults
 # ---------------------------------------------------------------------------------------------
 @uses("fault_ddp")
@@ -313,6 +386,8 @@ def test_schedule_misuse_is_an_error():
 
 
 def test_pipeline_swap_rejects_non_schedules():
-    from hyper_parallel.core.activation_checkpoint import pipeline_swap
+    from hyper_parallel.core.activation_checkpoint import pipeline_recompute, pipeline_swap
     with pytest.raises(TypeError, match="schedule"):
         pipeline_swap(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="schedule"):
+        pipeline_recompute(torch.nn.Linear(2, 2))

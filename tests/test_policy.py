@@ -1,4 +1,4 @@
-"""What a policy function may answer, and how each answer is interpreted (SPEC section 2)."""
+"""What a policy function may answer, and how each answer is interpreted."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The RFC's own self-test (SPEC section 5), on CPU.
+"""The RFC's own self-test, on CPU.
 
 Each of the seven modes trains the built-in GPT-like model (dropout, layer norm, a causal mask
 buffer passed to every layer) for three Adam steps in its own subprocess; every step's loss must

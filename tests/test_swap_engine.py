@@ -151,7 +151,8 @@ def test_pending_offload_cancelled_by_launch_load(fresh_manager):
     mgr.wait_load("g")
     assert torch.equal(view.get_val(), _fresh())
     assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
-    with pytest.raises(RuntimeError, match="no offload of group 'g' is in flight"):
+    # The user did launch an offload: the error says that launch_load cancelled it, not "launch first".
+    with pytest.raises(RuntimeError, match=r"offload of group 'g' was cancelled by launch_load\('g'\)"):
         mgr.wait_offload("g")
 
 

@@ -1,4 +1,4 @@
-"""Lifecycle (SPEC section 3, invariant 5): forwards without backward, no_grad, exceptions,
+"""Lifecycle: forwards without backward, no_grad, exceptions,
 gradient accumulation, modules called twice, many steps, throwaway micro-batch groups --
 correct gradients, and device memory and the host pool back to their level afterwards."""
 

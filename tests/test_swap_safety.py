@@ -1,4 +1,4 @@
-"""Safety of the swap engine (SPEC section 3, invariants 2-4): what must never be offloaded,
+"""Safety of the swap engine: what must never be offloaded,
 aliases coming back as aliases, in-place changes and illegal reads being errors."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``checkpoint_wrapper``: the enclosing model's view does not change (SPEC section 2)."""
+"""``checkpoint_wrapper``: the enclosing model's view does not change (state_dict keys, parameter
+names, attributes, indexing)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,20 @@
-"""Bench and test model for hyper-parallel.
+"""Bench and test model for hyper-parallel, and the one benchmark system every benchmark uses.
 
 * :mod:`hyper_parallel.bench.model`: a small GPT (``GPTConfig``, ``GPT``,
   ``make_batch``, ``train_steps``) written so that its matmuls, its shared
   causal mask and its tied head exercise activation recompute and swap;
-* :mod:`hyper_parallel.bench.modes`: the modes of SPEC section 5 as recipes
-  (``apply_mode``, ``apply_swap_wrapper_mode`` and the policy functions);
+* :mod:`hyper_parallel.bench.modes`: the registry of every way to train it (our
+  modes, PyTorch's and torchtune's) as recipes (``RECIPES``, ``apply_mode``,
+  ``apply_variant`` and the policy functions);
+* :mod:`hyper_parallel.bench.timing`: ``synchronize(device)`` and the interleaved-median timer;
+* :mod:`hyper_parallel.bench.report`: tables, legends, loss comparison, JSON, charts;
+* :mod:`hyper_parallel.bench.runner`: variants side by side in one process
+  (``benchmarks/compare_peers.py``, ``benchmarks/recompute_vs_torch.py``);
+* :mod:`hyper_parallel.bench.trace`: Chrome traces and copy-engine figures;
+* :mod:`hyper_parallel.bench.postln`: a post-LN ``nn.MultiheadAttention`` transformer with the GPT's
+  interface (every recipe applies to it);
+* :mod:`hyper_parallel.bench.swapbench`: per-tensor swap overhead on a many-small-ops model and peak
+  memory per phase of a step (``benchmarks/swap_overhead.py``, ``benchmarks/swap_memory.py``);
 * ``python -m hyper_parallel.bench`` (or ``hyper-parallel-bench``): compares the
   modes, each in its own subprocess, on peak memory, step time and losses.
 """
@@ -13,9 +23,11 @@ from hyper_parallel.bench.model import GPT, MLP, Attention, Block, GPTConfig, ma
 from hyper_parallel.bench.modes import (
     DEFAULT_SWAP_THRESHOLD_BYTES,
     MODES,
+    RECIPES,
     SWAP_WRAPPER_MODES,
     apply_mode,
     apply_swap_wrapper_mode,
+    apply_variant,
     save_matmuls,
     swap_if_at_least,
     swap_matmuls,
@@ -23,6 +35,6 @@ from hyper_parallel.bench.modes import (
 
 __all__ = [
     "GPT", "GPTConfig", "Block", "Attention", "MLP", "make_batch", "train_steps",
-    "MODES", "SWAP_WRAPPER_MODES", "DEFAULT_SWAP_THRESHOLD_BYTES",
-    "apply_mode", "apply_swap_wrapper_mode", "save_matmuls", "swap_matmuls", "swap_if_at_least",
+    "MODES", "SWAP_WRAPPER_MODES", "RECIPES", "DEFAULT_SWAP_THRESHOLD_BYTES",
+    "apply_mode", "apply_swap_wrapper_mode", "apply_variant", "save_matmuls", "swap_matmuls", "swap_if_at_least",
 ]

@@ -15,7 +15,7 @@ Examples::
 
 Exit status: 0 when every mode ran and matched the baseline, 1 when a worker
 failed, 2 when a mode's losses differ from the baseline, 3 (only with
-``--strict``) when a memory ordering of SPEC section 5 does not hold.
+``--strict``) when an expected peak-memory ordering (none > save > recompute, swap ~ recompute) does not hold.
 """
 
 from __future__ import annotations
@@ -23,20 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from hyper_parallel.bench.modes import MODES, SWAP_WRAPPER_MODES
-
-MiB = 1024 * 1024
+from hyper_parallel.bench import report
+from hyper_parallel.bench.modes import MODE_RECIPES, MODES, SWAP_WRAPPER_MODES, SWAP_WRAPPER_RECIPES, RECIPES
+from hyper_parallel.bench.report import MiB
+from hyper_parallel.bench.timing import median
 _PROGRESS_TAG = "@@hyper_parallel.bench.progress"
 _RESULT_TAG = "@@hyper_parallel.bench.result "
 _DTYPES = ("float32", "bfloat16", "float16")
-# Loss tolerance off CPU (SPEC invariant 1); on CPU losses must be bitwise equal.
+# Loss tolerance off CPU; on CPU losses must be bitwise equal.
 LOSS_ATOL = 1e-5
 
 
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.set_num_threads for each worker (default: torch's own choice)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per mode (default 1800)")
     p.add_argument("--strict", action="store_true",
-                   help="exit 3 when an expected memory ordering (SPEC section 5) does not hold")
+                   help="exit 3 when an expected memory ordering does not hold")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--worker", metavar="MODE", default=None, help=argparse.SUPPRESS)
     return p
@@ -120,20 +120,6 @@ def _mode_list(args, parser) -> List[str]:
 
 
 # ------------------------------------------------------------------------ worker
-
-def _stats_to_plain(obj: Any) -> Any:
-    """Make ``SwapManager().stats()`` JSON-friendly (keys to str, numbers kept)."""
-    if isinstance(obj, dict):
-        return {str(k): _stats_to_plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_stats_to_plain(v) for v in obj]
-    if isinstance(obj, (int, float, str, bool)) or obj is None:
-        return obj
-    try:
-        return float(obj)
-    except (TypeError, ValueError):
-        return str(obj)
-
 
 def run_worker(args) -> int:
     """Train one mode in this process and print one JSON line on stdout."""
@@ -189,7 +175,7 @@ def run_worker(args) -> int:
     losses = train_steps(model, args.steps, args.batch, args.lr, args.seed, device,
                          meter=make_meter, times=times, on_step=on_step)
     peak = int(meters[0].peak_bytes) if meters else 0
-    stats = _stats_to_plain(swap_manager.stats()) if swap_manager is not None else {}
+    stats = report.plain(swap_manager.stats()) if swap_manager is not None else {}
     offloaded = int(stats.get("offloaded_bytes", 0) or 0) if isinstance(stats, dict) else 0
     if args.trace:  # one extra step, after the measured ones: results and stats above are unaffected
         from hyper_parallel.bench.trace import write_trace
@@ -200,7 +186,7 @@ def run_worker(args) -> int:
         "mode": mode,
         "peak_bytes": peak,
         "offloaded_bytes": offloaded,
-        "step_time_s": statistics.median(times) if times else 0.0,
+        "step_time_s": median(times) or 0.0,
         "step_times_s": times,
         "losses": losses,
         "stats": stats,
@@ -329,15 +315,13 @@ def run_mode(args, mode: str, progress: _Progress, base_done: int) -> Dict[str, 
 
 
 def losses_match(losses: Sequence[float], baseline: Sequence[float], exact: bool) -> bool:
-    if len(losses) != len(baseline):
-        return False
-    if exact:
-        return all(a == b for a, b in zip(losses, baseline))
-    return all(abs(a - b) <= LOSS_ATOL for a, b in zip(losses, baseline))
+    """Bitwise when ``exact`` (CPU), else within ``LOSS_ATOL``."""
+    return report.loss_check(losses, baseline, exact, LOSS_ATOL)["equal"]
 
 
 def memory_checks(results: List[Dict[str, Any]], swap_wrapper: bool) -> List[Dict[str, Any]]:
-    """The peak-memory orderings SPEC section 5 expects, evaluated on ``results``."""
+    """The peak-memory orderings the RFC expects (none > save > recompute, swap ~ recompute), evaluated
+    on ``results``."""
     peak = {r["mode"]: r["peak_bytes"] for r in results if "error" not in r}
     checks: List[Dict[str, Any]] = []
 
@@ -367,20 +351,8 @@ def memory_checks(results: List[Dict[str, Any]], swap_wrapper: bool) -> List[Dic
 
 def format_swap_stats(results: List[Dict[str, Any]]) -> List[str]:
     """One line of ``SwapManager().stats()`` per mode that swapped anything (whole run)."""
-    mib = 1024.0 * 1024.0
-    lines = []
-    for r in results:
-        s = r.get("stats") or {}
-        if "error" in r or not (s.get("offloaded_bytes") or s.get("kept_bytes")):
-            continue
-        kept = ", ".join(f"{k} {v / mib:.1f}" for k, v in sorted((s.get("kept_bytes") or {}).items())) or "none"
-        pool = s.get("host_pool") or {}
-        lines.append(
-            f"swap stats {r['mode']}: offloaded {s.get('offloaded_bytes', 0) / mib:.1f} MiB, loaded "
-            f"{s.get('loaded_bytes', 0) / mib:.1f} MiB, kept on device (MiB) {kept}; waits "
-            f"{1e3 * (s.get('wait_offload_s', 0) + s.get('wait_load_s', 0)):.1f} ms; host pool "
-            f"{pool.get('reserved_bytes', 0) / mib:.1f} MiB in {pool.get('allocations', 0)} buffers")
-    return lines
+    return [f"swap stats {r['mode']}: {report.swap_stats_line(r['stats'])}" for r in results
+            if "error" not in r and ((r.get("stats") or {}).get("offloaded_bytes") or r["stats"].get("kept_bytes"))]
 
 
 def _fmt_losses(losses: Sequence[float]) -> str:
@@ -399,64 +371,59 @@ def format_table(results: List[Dict[str, Any]]) -> str:
         if "error" in r:
             rows.append([r["mode"], "-", "-", "-", "-", "FAILED: " + r["error"], "-"])
             continue
-        ratio = "%.2fx" % (r["peak_bytes"] / base_peak) if base_peak else "-"
         match = r.get("matches_baseline")
         rows.append([
             r["mode"],
             "%.1f" % (r["peak_bytes"] / MiB),
-            ratio,
+            "%.2fx" % (r["peak_bytes"] / base_peak) if base_peak else "-",
             "%.1f" % (r["offloaded_bytes"] / MiB / max(1, len(r["losses"]))),
             "%.0f" % (r["step_time_s"] * 1000.0),
             _fmt_losses(r["losses"]),
             "baseline" if r["mode"] == "none" else ("yes" if match else ("NO" if match is not None else "-")),
         ])
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    right = {1, 2, 3, 4}
+    return report.table(header, rows, align="lrrrrll")
 
-    def fmt(row):
-        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w)
-                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
 
-    lines = [fmt(header), "  ".join("-" * w for w in widths)]
-    lines += [fmt(r) for r in rows]
-    return "\n".join(lines)
+def mode_legend(results: List[Dict[str, Any]], swap_wrapper: bool) -> str:
+    """What each mode of the table wraps and how (from the recipes of ``bench.modes``)."""
+    suite = SWAP_WRAPPER_RECIPES if swap_wrapper else MODE_RECIPES
+    return report.legend([(r["mode"], RECIPES[suite[r["mode"]]].what) for r in results])
+
+
+def reading(results: List[Dict[str, Any]], exact: bool) -> str:
+    """The table in one line: the mode with the lowest peak (off CPU: at what time cost) and
+    whether the losses match."""
+    ok = [r for r in results if "error" not in r]
+    base = next((r for r in ok if r["mode"] == "none"), None)
+    if not ok or base is None:
+        return "reading: no baseline, nothing to compare"
+    low = min(ok, key=lambda r: r["peak_bytes"])
+    peak = "%.1f MiB, %s of none" % (low["peak_bytes"] / MiB, report.fmt(report.ratio(low["peak_bytes"],
+                                                                                     base["peak_bytes"]), "%.2fx"))
+    # CPU step times are not a measurement of the modes (see CPU_TIMING_NOTE): not in the reading
+    cost = "" if exact else " at %s none's step time" % report.fmt(
+        report.ratio(low["step_time_s"], base["step_time_s"]), "%.2fx")
+    differ = [r["mode"] for r in results if r.get("matches_baseline") is False]
+    losses = (f"losses differ from none for {', '.join(differ)}" if differ else
+              "every mode's losses equal none's" + (" bitwise" if exact else f" within {LOSS_ATOL:g}"))
+    return f"reading: {low['mode']} has the lowest peak ({peak}){cost}; {losses}."
 
 
 def write_plot(path: str, results: List[Dict[str, Any]], title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib, which is not installed: "
-              "pip install 'hyper-parallel[bench]' (or pip install matplotlib). No plot written.",
-              file=sys.stderr)
+    ok, why = report.have_matplotlib()
+    if not ok:
+        print(f"--plot: {why}", file=sys.stderr)
         return False
-    ok = [r for r in results if "error" not in r]
-    names = [r["mode"] for r in ok]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(min(14.0, max(8.0, 1.3 * len(names) + 4)), 4.2))
-    peaks = [r["peak_bytes"] / MiB for r in ok]
-    offl = [r["offloaded_bytes"] / MiB / max(1, len(r["losses"])) for r in ok]
-    xs = list(range(len(names)))
-    ax1.bar([x - 0.2 for x in xs], peaks, width=0.4, color="tab:blue", label="peak device memory")
-    ax1.bar([x + 0.2 for x in xs], offl, width=0.4, color="tab:orange", label="offloaded per step")
-    ax1.set_xticks(xs, names, rotation=30, ha="right")
-    ax1.set_ylabel("MiB")
-    ax1.set_title("memory")
-    ax1.legend(fontsize=8)
-    for x, v in zip(xs, peaks):
-        ax1.text(x - 0.2, v, "%.0f" % v, ha="center", va="bottom", fontsize=8)
-    ax2.bar(xs, [r["step_time_s"] * 1000 for r in ok], color="tab:green")
-    ax2.set_xticks(xs, names, rotation=30, ha="right")
-    ax2.set_ylabel("ms (median step)")
-    ax2.set_title("step time")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    rows = {}
+    for r in results:
+        if "error" in r:
+            continue
+        steps, stats = max(1, len(r["losses"])), r.get("stats") or {}
+        rows[r["mode"]] = {"who": "baseline" if r["mode"] == "none" else "ours", "peak_bytes": r["peak_bytes"],
+                           "step_time_s": r["step_time_s"],
+                           "bytes_moved_per_step": {"d2h": r["offloaded_bytes"] / steps,
+                                                    "h2d": (stats.get("loaded_bytes") or 0) / steps}}
+    report.bar_chart(path, rows, title)
     return True
 
 
@@ -495,12 +462,16 @@ def run_comparison(args, parser) -> int:
     if args.swap_wrapper:
         print(f"swap_with_policy threshold: {config['swap_threshold_bytes']} bytes")
     print(format_table(results))
+    print(mode_legend(results, args.swap_wrapper))
+    print(reading(results, exact))
     for line in format_swap_stats(results):
         print(line)
     print("loss comparison: %s" % ("bitwise (cpu)" if exact else f"|diff| <= {LOSS_ATOL:g}"))
     for c in checks:
         extra = " (swap saves %.0f%% of what recompute saves)" % (100 * c["ratio"]) if "ratio" in c else ""
         print("memory check %-22s %s%s" % (c["check"], "ok" if c["ok"] else "NOT MET", extra))
+    if exact:
+        print(report.CPU_TIMING_NOTE)
     print("total %.1fs" % total)
 
     failed = [r for r in results if "error" in r]
@@ -525,11 +496,7 @@ def run_comparison(args, parser) -> int:
             "checks": checks,
             "total_time_s": total,
         }
-        d = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(d, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        report.write_json(args.json, doc)
     if args.plot:
         if write_plot(args.plot, results, f"{kind} modes, {args.device}: {cfg_line}"):
             print(f"plot written to {args.plot}")

@@ -20,13 +20,14 @@ and ``train_steps`` seeds the global RNG (dropout) from its ``seed``.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hyper_parallel.bench.timing import timed
 
 __all__ = [
     "GPTConfig",
@@ -208,15 +209,6 @@ def make_batch(cfg: GPTConfig, batch: int, seed: int, device: Any = "cpu"):
     return tokens, targets
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cpu":
-        return
-    mod = getattr(torch, device.type, None)
-    sync = getattr(mod, "synchronize", None)
-    if sync is not None:
-        sync()
-
-
 def train_steps(
     model: nn.Module,
     steps: int,
@@ -259,18 +251,18 @@ def train_steps(
     with ctx:
         for step in range(int(steps)):
             tokens, targets = make_batch(cfg, batch, seed + step, device=device)
-            _synchronize(device)
-            t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss = model(tokens, targets)
-            loss.backward()
-            optimizer.step()
-            value = float(loss.detach().item())  # synchronises
-            _synchronize(device)
+
+            def one_step() -> float:
+                optimizer.zero_grad(set_to_none=True)
+                loss = model(tokens, targets)
+                loss.backward()
+                optimizer.step()
+                return float(loss.detach().item())
+
+            value, dt = timed(one_step, device)
             if times is not None:
-                times.append(time.perf_counter() - t0)
+                times.append(dt)
             losses.append(value)
-            del loss
             if on_step is not None:
                 on_step(step, value)
     return losses

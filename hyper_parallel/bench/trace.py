@@ -29,6 +29,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
+from hyper_parallel.bench.timing import synchronize
+
 __all__ = ["RANGE_PREFIX", "profiler_activities", "write_trace", "range_names", "trace_events",
            "analyze_copies"]
 
@@ -63,11 +65,6 @@ def profiler_activities(device: Any = None) -> List[Any]:
     return acts
 
 
-def _synchronize(device: Optional[torch.device]) -> None:
-    if device is not None and device.type != "cpu":
-        torch.accelerator.synchronize()
-
-
 def write_trace(model_step_fn: Callable[[], Any], path: Union[str, os.PathLike], *,
                 warmup: int = 0, device: Any = None, activities: Optional[Sequence[Any]] = None,
                 record_shapes: bool = False) -> str:
@@ -89,12 +86,12 @@ def write_trace(model_step_fn: Callable[[], Any], path: Union[str, os.PathLike],
     dev = torch.device(device) if device is not None else _accelerator()
     for _ in range(int(warmup)):
         model_step_fn()
-    _synchronize(dev)
+    synchronize(dev)
     acts = list(activities) if activities is not None else profiler_activities(dev)
     with torch.profiler.profile(activities=acts, record_shapes=record_shapes) as prof:
         with torch.profiler.record_function(RANGE_PREFIX + "step"):
             model_step_fn()
-        _synchronize(dev)
+        synchronize(dev)
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)

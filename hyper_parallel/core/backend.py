@@ -46,6 +46,8 @@ class OpKind(enum.Enum):
     MACHINERY = "machinery"  # issued by the checkpoint implementation itself: always re-run, never logged
     MUTATING = "mutating"    # writes to an argument: always re-run (replaying its output cannot replay the write)
     RANDOM = "random"        # draws random numbers: see Backend.rng_replayable
+    COLLECTIVE = "collective"  # communicates: kept unless the policy answers MUST_RECOMPUTE
+    WAIT = "wait"            # waits for a collective's result: as COLLECTIVE, and re-runs with a re-run collective
 
 
 class Backend(abc.ABC):
@@ -65,6 +67,15 @@ class Backend(abc.ABC):
     rng_replayable: bool = True
     #: What a list policy holds, for error messages ("OpOverloads", "op names").
     op_list_entries: str = "ops"
+    #: Whether :meth:`run_checkpoint` installs a frame's ``boxes`` (``SessionBoxes``) inside the
+    #: framework's checkpoint hooks, so that a ``RecomputeSession`` can share one recomputation
+    #: between the halves of a split backward. When False, no boxes are made and each half
+    #: recomputes (the framework's behaviour).
+    recompute_sessions: bool = False
+    #: Whether sub-modules can be excluded from a region's recomputation
+    #: (``checkpoint_exclude_wrapper``; needs :meth:`recomputed_leaf` and the frames that
+    #: :meth:`run_checkpoint` marks).
+    exclusion_supported: bool = False
 
     # ------------------------------------------------------------------ tensors: identity, layout
     @abc.abstractmethod
@@ -104,6 +115,11 @@ class Backend(abc.ABC):
     def alias(self, t: Tensor) -> Tensor:
         """A view of ``t`` with the same layout, no autograd history, sharing ``t``'s version
         counter; callable from inside a dispatch mode and from a saved-tensor hook."""
+        ...
+
+    @abc.abstractmethod
+    def clone(self, t: Tensor) -> Tensor:
+        """A new tensor with ``t``'s values and layout, in its own storage."""
         ...
 
     @abc.abstractmethod
@@ -251,20 +267,49 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
-                       region: Any, options: dict) -> Any:
-        """Run ``function`` under the framework's non-reentrant checkpoint. With a
-        ``SelectiveRegion``, the forward runs under a dispatch mode that calls
-        ``region.forward_op`` for every op and the recomputation under one that calls
-        ``region.recompute_op``; both modes enter ``region_state.RegionMarker``. Without a region,
-        only the markers. ``options`` are the accepted :attr:`checkpoint_options`."""
+                       frame: Any, options: dict) -> Any:
+        """Run ``function`` under the framework's non-reentrant checkpoint. ``frame`` is the
+        call's ``region_state.RegionFrame``. With a ``frame.selective`` region, the forward runs
+        under a dispatch mode that calls ``region.forward_op`` for every op and the recomputation
+        under one that calls ``region.recompute_op``; both enter
+        ``region_state.RegionMarker(recompute, frame)``. Without one, only the markers. Where
+        :attr:`recompute_sessions` is true and ``frame.boxes`` is set, the forward context also
+        pushes saved-tensor hooks *inside* the checkpoint's own that wrap what the checkpoint packs:
+        ``boxes.pack(checkpoint_pack, x)`` / ``boxes.unpack(checkpoint_unpack, box)``.
+        ``options`` are the accepted :attr:`checkpoint_options`."""
         ...
 
     @abc.abstractmethod
-    def dispatch_modes(self, region: Any) -> Tuple[Any, Any]:
+    def dispatch_modes(self, region: Any, frame: Any = None) -> Tuple[Any, Any]:
         """The ``(forward, recompute)`` pair of the framework's dispatch modes for a
         ``SelectiveRegion``: they call ``region.forward_op(op, args, kwargs)`` /
         ``region.recompute_op(op, args, kwargs)`` for every op and enter
-        ``region_state.RegionMarker`` while active."""
+        ``region_state.RegionMarker(recompute, frame)`` while active."""
+        ...
+
+    def recomputed_leaf(self, t: Tensor, requires_grad: bool) -> Tensor:
+        """A tensor over ``t``'s data, with no autograd history, that requires grad iff
+        ``requires_grad``: what a recomputation receives in place of the output of a sub-module
+        excluded from it (``checkpoint_exclude_wrapper``), so that the ops after it save what they
+        saved in forward. The default says the backend does not support exclusion."""
+        raise NotImplementedError(f"checkpoint_exclude_wrapper is not supported on the {self.name} backend.")
+
+    @abc.abstractmethod
+    def compiling(self) -> bool:
+        """Whether the framework's compiler is tracing the code that runs now."""
+        ...
+
+    @abc.abstractmethod
+    def run_eagerly(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn`` outside any compiled graph (a graph break around it while tracing)."""
+        ...
+
+    @abc.abstractmethod
+    def run_compiled_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
+                                policy_fn: Optional[Callable[..., Any]], options: dict) -> Any:
+        """Run ``function`` under the framework's own checkpoint while its compiler traces it:
+        whole-region recompute without ``policy_fn``, else the framework's compiled selective
+        checkpoint driven by ``policy_fn`` (our answers translated)."""
         ...
 
     @abc.abstractmethod
@@ -290,7 +335,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def written_tensors(self, op: Op, args: Tuple[Any, ...], kwargs: dict) -> List[Tensor]:
-        """The tensor arguments a MUTATING op writes to."""
+        """The tensor arguments ``op`` writes to, declared or not (empty for ops that write nothing)."""
         ...
 
     @abc.abstractmethod
@@ -326,8 +371,16 @@ class Backend(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def check_selective_owner(self, module: Module) -> None:
-        """Raise a clear error if a selective region cannot host ``module`` (e.g. sharded units)."""
+    def has_buffers(self, module: Module) -> bool:
+        """Whether ``module`` or a sub-module holds state that ops may update in place (buffers,
+        e.g. BatchNorm's running statistics)."""
+        ...
+
+    @abc.abstractmethod
+    def check_region_owner(self, module: Module, selective: bool) -> None:
+        """Raise a clear error if a region that intercepts ops or saved tensors cannot act inside
+        ``module`` (a compiled module; with ``selective``, sharded units whose hooks differ
+        between forward and recompute)."""
         ...
 
     @abc.abstractmethod

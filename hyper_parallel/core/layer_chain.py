@@ -25,14 +25,79 @@ __all__ = ["LayerChain"]
 
 
 class _Link:
-    __slots__ = ("name", "prev", "next", "saved_group_names", "handles")
+    __slots__ = ("name", "prev", "next", "saved_group_names", "handles", "hooks")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.prev: Optional[weakref.ref] = None
         self.next: Optional[weakref.ref] = None
         self.saved_group_names: List[Optional[str]] = []
-        self.handles: List[Any] = []
+        self.handles: List[Any] = []  # removable handles of the hooks we installed (not of copied ones)
+        self.hooks: List["_ChainHook"] = []
+
+
+class _ChainHook:
+    """The forward pre-hook (``post=False``) or forward hook (``post=True``) of one chained layer.
+
+    A class rather than a closure so that copies of a chained model behave: ``copy.deepcopy`` of
+    the model gives the copy its own links (the copied layers are chained among themselves, with
+    new group names), and pickling says plainly that it is not supported.
+    """
+
+    __slots__ = ("chain", "post", "layer", "active")
+
+    def __init__(self, chain: "LayerChain", post: bool, layer: Any) -> None:
+        self.chain = chain
+        self.post = post
+        self.layer = weakref.ref(layer)
+        self.active = True  # False once the chain was cleared (hooks of copies have no handle)
+
+    def __call__(self, module: Any, args: Any, output: Any = None) -> None:
+        if not self.active:
+            return
+        b = self.chain._m.backend
+        if b.in_backward():  # a recomputation re-runs forward: not a new forward
+            return
+        # The manager's lock: autograd threads (one per device) may call in at once.
+        if not self.post:
+            with self.chain._m._locked():
+                self.chain.forward_start(module)
+            return
+        # Also called when forward raised, to restore the current group.
+        failed = sys.exc_info()[0] is not None or not b.grad_recording()
+        with self.chain._m._locked():
+            armed = self.chain.forward_end(module, failed)
+        if armed:
+            self.chain._arm_backward_start(module, output)
+
+    def __deepcopy__(self, memo: dict) -> "_ChainHook":
+        original = self.layer()
+        copy = memo.get(id(original)) if original is not None else None
+        if copy is None or not self.active:  # not copied as part of its layer: an inert hook
+            hook = _ChainHook(self.chain, self.post, original if original is not None else self)
+            hook.active = False
+            return hook
+        hook = _ChainHook(self.chain, self.post, copy)
+        self.chain._adopt_copy(original, copy, memo, hook)
+        return hook
+
+    def __reduce__(self) -> Any:
+        if not self.active:  # left behind in a copy after SwapManager().reset(): pickles as a no-op
+            return (_inert, ())
+        raise TypeError(
+            "a model whose layers are chained with SwapManager().set_forward_prefetch_layer (or wrap_layers) "
+            "cannot be pickled: save model.state_dict() instead (keys are unchanged by wrapping), or call "
+            "SwapManager().reset() first to remove the chain's hooks. copy.deepcopy works and gives the "
+            "copy its own chain.")
+
+
+def _inert_hook(*args: Any) -> None:
+    """What an inactive chain hook becomes when its module is pickled: a hook that does nothing."""
+    return None
+
+
+def _inert() -> Any:
+    return _inert_hook
 
 
 class LayerChain:
@@ -53,7 +118,8 @@ class LayerChain:
             link = _Link(f"layer_{self._count}")
             self._count += 1
             self._m._group(link.name, create=True, persistent=True)
-            link.handles = self._install_hooks(layer)
+            link.hooks = [_ChainHook(self, False, layer), _ChainHook(self, True, layer)]
+            link.handles = self._m.backend.register_forward_hooks(layer, link.hooks[0], link.hooks[1])
             self._links[layer] = link
         return link
 
@@ -95,30 +161,35 @@ class LayerChain:
         for link in list(self._links.values()):
             for handle in link.handles:
                 handle.remove()
+            for hook in link.hooks:
+                hook.active = False
         self._links = weakref.WeakKeyDictionary()
         self._count = 0
 
-    # ------------------------------------------------------------------ hooks
-    def _install_hooks(self, layer: Any) -> List[Any]:
-        b = self._m.backend
-
-        # Each hook holds the manager's lock: autograd threads (one per device) may call in at once.
-        def pre_hook(module: Any, args: Any) -> None:
-            if not b.in_backward():  # a recomputation re-runs forward: not a new forward
-                with self._m._locked():
-                    self.forward_start(module)
-
-        def post_hook(module: Any, args: Any, output: Any) -> None:
-            if b.in_backward():
-                return
-            # Also called when forward raised, to restore the current group.
-            failed = sys.exc_info()[0] is not None or not b.grad_recording()
-            with self._m._locked():
-                armed = self.forward_end(module, failed)
-            if armed:
-                self._arm_backward_start(module, output)
-
-        return b.register_forward_hooks(layer, pre_hook, post_hook)
+    # ------------------------------------------------------------------ copies
+    def _adopt_copy(self, original: Any, copy: Any, memo: dict, hook: _ChainHook) -> None:
+        """``copy.deepcopy`` is copying ``original``'s hook ``hook`` into ``copy``: give ``copy`` a
+        link of its own (its hooks are the copied ones) and link it to the copies of
+        ``original``'s neighbours that were already adopted. Whichever of two neighbours is
+        copied second makes the link, so a whole copied stack ends up chained like the original."""
+        link = self._links.get(copy)
+        if link is None:
+            link = _Link(f"layer_{self._count}")
+            self._count += 1
+            self._m._group(link.name, create=True, persistent=True)
+            self._links[copy] = link
+        link.hooks.append(hook)
+        olink = self._links.get(original)
+        if olink is None:
+            return
+        pred = memo.get(id(self._alive(olink.prev)))
+        if pred is not None and pred in self._links and link.prev is None:
+            self._links[pred].next = weakref.ref(copy)
+            link.prev = weakref.ref(pred)
+        succ = memo.get(id(self._alive(olink.next)))
+        if succ is not None and succ in self._links and link.next is None:
+            self._links[succ].prev = weakref.ref(copy)
+            link.next = weakref.ref(succ)
 
     def _arm_backward_start(self, layer: Any, output: Any) -> None:
         """Call ``backward_start(layer)`` once, when the gradient of the layer's output is ready,
@@ -142,14 +213,19 @@ class LayerChain:
 
     # ------------------------------------------------------------------ hook entry points
     def forward_start(self, layer: Any) -> None:
-        link = self._links[layer]
+        link = self._links.get(layer)
+        if link is None:
+            raise RuntimeError(
+                f"{type(layer).__name__} runs the layer-chain hooks of another layer but is not chained "
+                "itself (a copy.copy of a chained layer shares its hooks). Use copy.deepcopy (the copy gets "
+                "its own chain), or chain the copied layers with wrap_layers / set_forward_prefetch_layer.")
         link.saved_group_names.append(self._m.get_current_group_name())
         self._m.set_current_group_name(link.name)
 
     def forward_end(self, layer: Any, failed: bool) -> bool:
         """Returns whether the backward-start hook should be armed on the outputs."""
-        link = self._links[layer]
-        if not link.saved_group_names:
+        link = self._links.get(layer)
+        if link is None or not link.saved_group_names:
             return False  # our pre-hook never ran (an earlier pre-hook raised): nothing to undo
         self._m.set_current_group_name(link.saved_group_names.pop())
         if failed:

@@ -71,6 +71,7 @@ _HOST = "host"            # offload waited: device memory released
 _LOADING = "loading"      # load launched, not waited
 _DONE = "done"            # backward finished
 
+
 def resident_swap_bytes(manager: Any, prefix: Optional[str] = None, pattern: Any = None) -> int:
     """Bytes of swap candidates that currently occupy device memory, summed over the manager's
     groups (only those whose name starts with ``prefix`` and, if given, matches the compiled
@@ -88,13 +89,6 @@ def resident_swap_bytes(manager: Any, prefix: Optional[str] = None, pattern: Any
                and (pattern is None or pattern.match(name)))
 
 
-def _discard_group(manager: Any, name: str) -> None:
-    """Remove group ``name`` from the manager even if storages of it are still alive (a graph
-    the user kept from an aborted step): they stay where they are and give their host buffers
-    back when they die, but the name is free for the next step."""
-    manager.discard_group(name)
-
-
 class MicrobatchSwapSchedule:
     """Offload each microbatch's activations after its forward and prefetch them before its
     backward, through ``manager``'s atomic API (see the module docstring for the rules).
@@ -108,6 +102,9 @@ class MicrobatchSwapSchedule:
             offload at once). At most ``prefetch + 1`` microbatches' swapped bytes are on the
             device at once.
 
+        measure_bytes: record ``peak_resident_bytes`` (it walks the schedule's swap tensors twice
+            per microbatch, so it is off by default; ``peak_resident_microbatches`` is always kept).
+
     Attributes (reset by ``reset_stats()`` only):
         peak_resident_bytes: the largest :func:`resident_swap_bytes` of this schedule's groups
             seen at the schedule's own peak points (end of a forward, start of a backward); only
@@ -116,9 +113,6 @@ class MicrobatchSwapSchedule:
             at once, as this schedule moved them.
         offloads, loads, cancelled: how many offloads and loads it launched, and how many of its
             offloads were cancelled by a load while in flight.
-
-    ``measure_bytes=True`` turns on ``peak_resident_bytes`` (it walks the schedule's swap tensors
-    twice per microbatch; off by default, ``peak_resident_microbatches`` is always kept).
         steps, aborts: finished and aborted steps.
     """
 
@@ -333,7 +327,9 @@ class MicrobatchSwapSchedule:
             except Exception as exc:  # noqa: BLE001  (keep cleaning up; re-raised below)
                 first_error = first_error or exc
         for name in self._own_groups():
-            _discard_group(self.manager, name)
+            # Storages still alive (a graph the user kept from an aborted step) stay where they
+            # are and give their host buffers back when they die; the name is free again.
+            self.manager.discard_group(name)
         self._reset_state()
         if first_error is not None:
             raise first_error

@@ -5,8 +5,11 @@ from __future__ import annotations
 import enum
 from typing import Any, Callable, Hashable, Iterable, Optional
 
+from .backend import OpKind, active_backend
+
 __all__ = ["CheckpointPolicy", "SelectiveCheckpointContext", "Decision", "normalize_policy",
-           "normalize_swap_policy", "as_policy_fn", "policy_from_op_list"]
+           "normalize_swap_policy", "as_policy_fn", "policy_from_op_list", "collective_decision",
+           "keep_collectives"]
 
 
 class CheckpointPolicy(enum.Enum):
@@ -146,3 +149,45 @@ def as_policy_fn(policy_fn_or_list: Any, entry_key: Callable[[Any], Hashable],
         raise TypeError("policy_fn must be a callable policy_fn(ctx, op, *args, **kwargs) or a list of "
                         f"{list_entries}, got {policy_fn_or_list!r}.")
     return policy_fn_or_list
+
+
+def collective_decision(policy: CheckpointPolicy) -> Decision:
+    """What happens to the output of an op that communicates (a collective or its wait): only
+    ``MUST_RECOMPUTE`` re-runs it; ``PREFER_RECOMPUTE`` keeps it (SAVE); SAVE and SWAP as asked.
+    Re-running a collective in backward costs communication, and hangs if ranks recompute
+    differently."""
+    if policy is CheckpointPolicy.PREFER_RECOMPUTE:
+        return Decision.SAVE
+    return policy.decision
+
+
+def keep_collectives(policy_fn: Any = None) -> Callable[..., Any]:
+    """A policy that answers like ``policy_fn`` except that ops that communicate (functional
+    collectives such as ``_c10d_functional.all_reduce`` and their ``wait_tensor``) are kept
+    (answered ``True``, i.e. MUST_SAVE) unless ``policy_fn`` answers ``MUST_RECOMPUTE``.
+
+    ``policy_fn`` is a policy function, a list of ops (see :func:`as_policy_fn`), or ``None``:
+    recompute everything else (``False``, i.e. PREFER_RECOMPUTE). Selective regions of this
+    library already apply the rule to every policy; the helper is for whole-region recompute
+    (``checkpoint_wrapper(layer, policy_fn=keep_collectives())`` recomputes everything but the
+    collectives) and for the framework's own selective checkpoint, which accepts the ``bool``
+    answers it gives for collectives.
+
+    Example::
+
+        >>> import torch
+        >>> from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper, keep_collectives
+        >>> layer = checkpoint_wrapper(torch.nn.Linear(8, 8), policy_fn=keep_collectives())
+    """
+    b = active_backend()
+    inner = None if policy_fn is None else as_policy_fn(policy_fn, b.op_list_entry, b.op_key, b.op_list_entries)
+
+    def keep_collectives_policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> Any:
+        answer = False if inner is None else inner(ctx, op, *args, **kwargs)
+        if b.op_kind(op) not in (OpKind.COLLECTIVE, OpKind.WAIT):
+            return answer
+        if normalize_policy(answer, op, b.convert_policy) is CheckpointPolicy.PREFER_RECOMPUTE:
+            return True
+        return answer
+
+    return keep_collectives_policy

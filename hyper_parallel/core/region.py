@@ -9,7 +9,8 @@ from typing import Any, Callable, Optional, Tuple
 from .backend import Backend, active_backend
 from .packer import SwapPacker, parameter_storages
 from .policy import as_policy_fn
-from .region_state import region_flags
+from .recompute_session import SessionBoxes
+from .region_state import RegionFrame, region_flags
 from .selective import SelectiveRegion
 from .storage import Storage
 from .swap_manager import SwapManager
@@ -63,7 +64,8 @@ def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None, 
       group of :class:`SwapManager` (offloaded when the group is). A ``bool`` or a
       ``torch.utils.checkpoint.CheckpointPolicy`` answer is accepted too. ``policy_fn`` may also be
       a list of ``OpOverload`` s (MUST_SAVE for those, PREFER_RECOMPUTE for the rest).
-      Ops that mutate an argument or draw random numbers always re-run, without asking the policy.
+      Ops that mutate an argument always re-run, without asking the policy; ops that draw random
+      numbers (dropout, attention) follow it, and a kept one leaves the generator where forward did.
     - ``swap_inputs=True``: the inputs that checkpoint keeps are swap candidates too.
 
     The keyword arguments ``preserve_rng_state``, ``determinism_check``, ``debug`` and
@@ -96,10 +98,18 @@ def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None, 
     options = {k: kwargs.pop(k) for k in b.checkpoint_options if k in kwargs}
     policy = check_policy_fn(b, policy_fn)  # validated even when nothing is recorded
     b.check_checkpoint_options(options, selective=policy is not None)
+    if b.compiling():
+        if swap_inputs:
+            # Swapped inputs need saved-tensor hooks, which a compiled graph cannot host: the
+            # region runs eagerly, with a graph break around it.
+            return b.run_eagerly(checkpoint, function, *args, policy_fn=policy_fn, swap_inputs=True,
+                                 **options, **kwargs)
+        # The framework's compiled (selective) checkpoint, driven by the same policy.
+        return b.run_compiled_checkpoint(function, args, kwargs, policy, options)
     b.check_ready("checkpoint")
     owner = _owner(b, function)
-    if policy is not None and owner is not None:
-        b.check_selective_owner(owner)
+    if owner is not None and (policy is not None or swap_inputs):
+        b.check_region_owner(owner, selective=policy is not None)
     if not b.grad_recording():
         return function(*args, **kwargs)  # nothing is saved: nothing to checkpoint or swap
 
@@ -110,6 +120,10 @@ def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None, 
     region = None
     if policy is not None or not b.rng_replayable:
         region = SelectiveRegion(b, policy, storage_factory)
+    elif owner is not None and b.has_buffers(owner):
+        # Recomputation must not update buffers (BatchNorm's running statistics) a second time.
+        region = SelectiveRegion(b, None, storage_factory, whole=True)
+    frame = RegionFrame(region, SessionBoxes() if b.recompute_sessions else None)
 
     hooks: Any = contextlib.nullcontext()
     if swap_inputs and not _nested(b):
@@ -118,7 +132,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None, 
         hooks = SwapPacker(b, storage_factory(), None, parameter_storages(b, owner)).hooks()
     try:
         with hooks:
-            return b.run_checkpoint(function, args, kwargs, region, options)
+            return b.run_checkpoint(function, args, kwargs, frame, options)
     except Exception as err:
         if region is not None and region.policy_error is not None and region.policy_error is not err:
             raise region.policy_error from None  # an operator (a @ b) replaced it by its own message
@@ -129,13 +143,19 @@ def swap_region(function: Callable[..., Any], policy_fn: Optional[Callable[[Any]
                 *args: Any, **kwargs: Any) -> Any:
     """Run ``function`` so that every tensor autograd saves in it is a swap candidate."""
     b = active_backend()
+    if b.compiling():
+        # Saved-tensor hooks cannot live in a compiled graph: the region runs eagerly, with a
+        # graph break around it.
+        return b.run_eagerly(swap_region, function, policy_fn, *args, **kwargs)
     if not b.grad_recording() or _nested(b):
         # Nothing is saved, or a checkpoint region owns what is saved here (its own hooks must see
         # the tensors so that recomputation works): swap does not apply.
         return function(*args, **kwargs)
     b.check_ready("swap_wrapper")
-    packer = SwapPacker(b, SwapManager().new_storage(), policy_fn,
-                        parameter_storages(b, _owner(b, function)))
+    owner = _owner(b, function)
+    if owner is not None:
+        b.check_region_owner(owner, selective=False)
+    packer = SwapPacker(b, SwapManager().new_storage(), policy_fn, parameter_storages(b, owner))
     with packer.hooks():
         return function(*args, **kwargs)
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, DefaultDict, Dict, Hashable, List, Optional, S
 
 from .backend import Backend, OpKind
 from .keep_reason import KeepReason
-from .policy import Decision, SelectiveCheckpointContext, normalize_policy
+from .policy import Decision, SelectiveCheckpointContext, collective_decision, normalize_policy
 from .saved import Saved
 from .storage import Storage
 from .swap_tensor import SwapView
@@ -82,7 +82,10 @@ class OpLog:
             raise RuntimeError(
                 "selective checkpoint: backward ran a second time through a region whose saved/swapped "
                 "op outputs were released by the first backward. Backward through a selectively "
-                "checkpointed region only once per forward (retain_graph=True cannot reuse them).")
+                "checkpointed region only once per forward (retain_graph=True cannot reuse them); a "
+                "backward split in halves (zero-bubble pipeline schedules: stage_backward_input then "
+                "stage_backward_weight) must run its halves in one RecomputeSession (pipeline_swap and "
+                "pipeline_recompute do that for torch.distributed.pipelining schedules).")
         return index, kept, (key, index) not in self._unasked
 
     def check(self, key: Hashable, index: int, decision: Decision, op_label: Any) -> None:
@@ -118,11 +121,23 @@ class SelectiveRegion:
       replays the RNG in recompute; when such an op is kept and drew numbers in forward,
       recompute leaves the generator exactly where the forward left it after the op, so later
       random ops draw the same numbers. Where the RNG cannot be replayed they are always kept.
+    - ops that communicate (``OpKind.COLLECTIVE``) and their waits (``OpKind.WAIT``) are kept
+      unless the policy answers ``MUST_RECOMPUTE``: ``PREFER_RECOMPUTE`` (and ``False``) keep
+      them (SAVE), SAVE / SWAP answers are honoured. A wait for a collective that does re-run
+      re-runs with it, whatever the policy says (an issued collective is always waited).
+    - while a sub-module excluded from recomputation runs (``checkpoint_exclude_wrapper``), and
+      while recomputation hands back its outputs, the region is ``suspended``: those ops run
+      without being logged or replayed.
     """
 
     def __init__(self, backend: Backend, policy_fn: Optional[Callable[..., Any]],
-                 storage_factory: Callable[[], Storage], allow_cache_entry_mutation: bool = False) -> None:
+                 storage_factory: Callable[[], Storage], allow_cache_entry_mutation: bool = False,
+                 whole: bool = False) -> None:
         self._b = backend
+        # Whole-region recompute where the framework replays random ops: forward is not observed
+        # (no dispatch mode), recompute only keeps writes off state that lives outside it.
+        self.whole = whole
+        self._replayed: Set[int] = set()  # storages produced by the current recomputation
         self.policy_fn = policy_fn
         self.allow_mutation = allow_cache_entry_mutation
         self.log = OpLog()
@@ -136,10 +151,15 @@ class SelectiveRegion:
         self._ctx_forward = SelectiveCheckpointContext(is_recompute=False)
         self._ctx_recompute = SelectiveCheckpointContext(is_recompute=True)
         self.policy_error: Optional[BaseException] = None
+        self.suspended = 0  # > 0 while an excluded sub-module runs inside the region's forward
+        # Storage ids of the outputs of collectives that re-run: their waits re-run too.
+        self._rerun_collectives: Set[int] = set()
 
     # ------------------------------------------------------------------ dispatch entry points
     def forward_op(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """Run one op of the region's forward and keep its output if the policy says so."""
+        if self.suspended:
+            return _run(func, args, kwargs)  # an excluded sub-module: recomputation skips it whole
         kind = self._kind(func)
         if kind is OpKind.MACHINERY:
             return _run(func, args, kwargs)
@@ -149,6 +169,17 @@ class SelectiveRegion:
             return out
         b = self._b
         key = b.op_key(func)
+        if kind is OpKind.COLLECTIVE or kind is OpKind.WAIT:
+            out = _run(func, args, kwargs)
+            if kind is OpKind.WAIT and self._reads_rerun_collective(args, kwargs):
+                decision = Decision.RECOMPUTE
+                self._keep(key, decision, out, asked=False)
+            else:
+                decision = self._ask(self._ctx_forward, func, key, args, kwargs, out, collective=True)
+                self._keep(key, decision, out)
+            if decision is Decision.RECOMPUTE and kind is OpKind.COLLECTIVE:
+                self._rerun_collectives.update(b.storage_id(t) for t in b.tree_leaves(out) if b.is_tensor(t))
+            return out
         if kind is OpKind.RANDOM:
             if not b.rng_replayable:
                 out = _run(func, args, kwargs)
@@ -166,23 +197,58 @@ class SelectiveRegion:
         self._keep(key, self._ask(self._ctx_forward, func, key, args, kwargs, out), out)
         return out
 
+    def start_replay(self) -> None:
+        """A recomputation starts (each one replays the region from its first op)."""
+        self.log.start_replay()
+        self._replayed.clear()
+
     def recompute_op(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """Run one op of the region's recomputation: re-run it, or hand back what forward kept."""
+        if self.suspended:
+            return _run(func, args, kwargs)  # handing back an excluded sub-module's outputs
         kind = self._kind(func)
-        if kind is OpKind.MACHINERY or kind is OpKind.MUTATING:
+        if kind is OpKind.MACHINERY:
             return _run(func, args, kwargs)
+        if kind is OpKind.MUTATING:
+            return self._note(self._replay_write(func, args, kwargs))
+        if self.whole:
+            return self._note(self._replay_write(func, args, kwargs))
         key = self._b.op_key(func)
         index, kept, ask = self.log.next_call(key, key)
         if ask:
-            self.log.check(key, index, self._ask(self._ctx_recompute, func, key, args, kwargs), key)
+            decision = self._ask(self._ctx_recompute, func, key, args, kwargs,
+                                 collective=kind is OpKind.COLLECTIVE or kind is OpKind.WAIT)
+            self.log.check(key, index, decision, key)
         if kept is RECOMPUTE:
-            return _run(func, args, kwargs)
-        value = self._b.tree_map(self._take, kept)  # may raise (not loaded): the record then stays usable
+            return self._note(self._replay_write(func, args, kwargs))
+        value = self._note(self._b.tree_map(self._take, kept))  # may raise (not loaded): the record then stays usable
         rng = self._rng_after.pop((key, index), None)
         if rng is not None:
             self._b.set_rng_state(rng)
         self.log.consume(key, index)  # backward has it: device memory goes as soon as it can
         return value
+
+    def _note(self, out: Any) -> Any:
+        b = self._b
+        for t in b.tree_leaves(out):
+            if b.is_tensor(t):
+                self._replayed.add(b.storage_id(t))
+        return out
+
+    def _replay_write(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Re-run an op in recomputation. Writes to tensors the recomputation produced are
+        replayed as in forward; a write to state that lives outside the region (BatchNorm's
+        running statistics, any buffer updated in place) already happened in forward, so the op
+        runs on a copy of that argument: the state is updated exactly once per forward."""
+        b = self._b
+        written = b.written_tensors(func, args, kwargs)
+        if not written:
+            return _run(func, args, kwargs)
+        outside = {id(t): b.clone(t) for t in written if b.storage_id(t) not in self._replayed}
+        if outside:
+            swap = lambda x: outside.get(id(x), x)  # noqa: E731
+            args, kwargs = b.tree_map(swap, args), b.tree_map(swap, kwargs)
+        return _run(func, args, kwargs)
 
     # ------------------------------------------------------------------ policy
     def _kind(self, func: Any) -> OpKind:
@@ -192,13 +258,15 @@ class SelectiveRegion:
         return kind
 
     def _ask(self, ctx: SelectiveCheckpointContext, func: Any, key: Hashable, args: Tuple[Any, ...],
-             kwargs: Dict[str, Any], out: Any = None) -> Decision:
+             kwargs: Dict[str, Any], out: Any = None, collective: bool = False) -> Decision:
         if self.policy_fn is None:
-            return Decision.RECOMPUTE
+            return Decision.SAVE if collective else Decision.RECOMPUTE
         ctx.op_output = out
         try:
-            answer = self.policy_fn(ctx, func, *args, **kwargs)
-            return normalize_policy(answer, key, self._b.convert_policy).decision
+            answer = normalize_policy(self.policy_fn(ctx, func, *args, **kwargs), key, self._b.convert_policy)
+            if collective:
+                return collective_decision(answer)
+            return answer.decision
         except Exception as err:
             # The region's caller re-raises this one: an operator such as `a @ b` would otherwise
             # replace a TypeError by its own "unsupported operand" message.
@@ -223,6 +291,13 @@ class SelectiveRegion:
                 if b.is_tensor(t):
                     self._kept_by_storage[b.storage_id(t)].append((key, index))
         return index
+
+    def _reads_rerun_collective(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+        if not self._rerun_collectives:
+            return False
+        b = self._b
+        return any(b.is_tensor(t) and b.storage_id(t) in self._rerun_collectives
+                   for t in b.tree_leaves((args, kwargs)))
 
     def _forget_mutated(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """An op that writes to its arguments ran in forward. A kept output it overwrote no longer

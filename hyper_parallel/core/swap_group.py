@@ -47,6 +47,14 @@ class GroupStats:
         if nbytes < 0 and not self.kept_bytes[reason]:  # all of it was offloaded after all
             del self.kept_bytes[reason]
 
+    def merge(self, other: "GroupStats") -> None:
+        """Add ``other``'s counters to these (statistics of retired groups are folded together)."""
+        for name in ("offloaded_bytes", "loaded_bytes", "wait_offload_s", "wait_load_s", "offload_launches",
+                     "load_launches"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for reason, nbytes in other.kept_bytes.items():
+            self.keep(reason, nbytes)
+
     def as_dict(self) -> Dict[str, Any]:
         return {
             "offloaded_bytes": self.offloaded_bytes,
@@ -85,6 +93,7 @@ class SwapGroup:
         self._offload_events: List[Any] = []
         self._load_events: List[Any] = []
         self.offload_pending = False
+        self.offload_cancelled = False  # launch_load cancelled an offload in flight (for wait_offload's message)
         self.load_pending = False
 
     # ------------------------------------------------------------------ content
@@ -191,8 +200,15 @@ class SwapGroup:
         finally:
             self.stats.offload_launches += 1
         self.offload_pending = True
+        self.offload_cancelled = False
 
     def wait_offload(self) -> None:
+        if not self.offload_pending and self.offload_cancelled:
+            raise RuntimeError(
+                f"wait_offload('{self.name}'): the offload of group '{self.name}' was cancelled by "
+                f"launch_load('{self.name}') before it was waited (its tensors never left the device), so "
+                "there is nothing to wait for. Call wait_offload before launch_load, or drop the "
+                "wait_offload when a group is loaded back right away.")
         if not self.offload_pending:
             raise RuntimeError(
                 f"wait_offload('{self.name}') called but no offload of group '{self.name}' is in flight; "
@@ -222,6 +238,7 @@ class SwapGroup:
         for t in self._tensors(TensorState.D2H):
             t.async_load()
         if not self._tensors(TensorState.D2H):
+            self.offload_cancelled = self.offload_pending
             self._offload_events.clear()
             self.offload_pending = False
         try:

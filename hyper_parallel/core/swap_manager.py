@@ -18,6 +18,7 @@ __all__ = ["SwapManager", "DEFAULT_GROUP"]
 
 DEFAULT_GROUP = "default"
 _RETIRED_NAMES = 1024  # how many names of forgotten groups are remembered
+_RETIRED_STATS = 64    # how many forgotten groups keep their own entry in stats()["groups"]
 
 
 class SwapManager:
@@ -74,6 +75,11 @@ class SwapManager:
         self._groups: Dict[str, SwapGroup] = {}
         self._retired: "OrderedDict[str, None]" = OrderedDict()
         self._stats: Dict[str, GroupStats] = {}
+        # Statistics of forgotten groups, folded together: a fresh name per step or micro-batch
+        # must not grow stats() without bound.
+        self._retired_stats = GroupStats()
+        self._retired_groups = 0
+        self._recent_retired: "OrderedDict[str, None]" = OrderedDict()
         self._current_group_name: Optional[str] = None
         self._copy_streams: Dict[Any, Any] = {}  # device -> the manager's copy stream there
         self._pool = HostBufferPool(self.backend)
@@ -95,6 +101,7 @@ class SwapManager:
                 raise KeyError(f"unknown swap group {name!r}; known groups: {known}. Groups are created "
                                "by set_current_group_name, add_storage or set_forward_prefetch_layer.")
             self._retired.pop(name, None)
+            self._recent_retired.pop(name, None)
             stats = self._stats.setdefault(name, GroupStats())
             group = self._groups[name] = SwapGroup(name, self.backend, stats, persistent)
         elif persistent:
@@ -114,6 +121,12 @@ class SwapManager:
     def add_storage(self, group_name: str, storage: Storage) -> None:
         """Add ``storage`` to group ``group_name`` (created if new). The group holds it weakly:
         it leaves the group when the autograd graph that references it dies."""
+        if not isinstance(group_name, str) or not group_name:
+            raise TypeError(f"add_storage: the group name must be a non-empty str, got {group_name!r}")
+        if not isinstance(storage, Storage):
+            raise TypeError(f"add_storage expects a swap Storage (as made by SwapManager().new_storage()), got "
+                            f"{type(storage).__name__}; to swap a module's activations wrap it with swap_wrapper "
+                            "or checkpoint_wrapper instead.")
         with self._locked():
             group = self._group(group_name, create=True)
             group.add(storage)
@@ -142,11 +155,24 @@ class SwapManager:
         group.forget_in_flight()
         if not group.persistent and name != self._current_group_name:
             del self._groups[name]
+            self._retire_stats(name)
             # Remember the name for a while: a wait or launch on it after its graph died (the
             # graph of a skipped step) has nothing to do, which is not the user's mistake.
             self._retired[name] = None
             while len(self._retired) > _RETIRED_NAMES:
                 self._retired.popitem(last=False)
+
+    def _retire_stats(self, name: str) -> None:
+        """A forgotten group keeps its own statistics entry for a while (the last
+        ``_RETIRED_STATS`` of them); older ones are folded into ``retired_groups``."""
+        self._recent_retired[name] = None
+        self._recent_retired.move_to_end(name)
+        while len(self._recent_retired) > _RETIRED_STATS:
+            old, _ = self._recent_retired.popitem(last=False)
+            stats = self._stats.pop(old, None)
+            if stats is not None and old not in self._groups:
+                self._retired_stats.merge(stats)
+                self._retired_groups += 1
 
     def _live_group(self, name: str) -> Optional[SwapGroup]:
         """The group ``name``; ``None`` if it was forgotten because all its storages died."""
@@ -172,8 +198,10 @@ class SwapManager:
         that are still alive stay where they are and give their host buffers back when they die.
         Used to clean up after an aborted step so the name is free for the next one."""
         with self._locked():
-            if self._groups.pop(group_name, None) is not None and group_name == self._current_group_name:
-                self._current_group_name = None
+            if self._groups.pop(group_name, None) is not None:
+                self._retire_stats(group_name)
+                if group_name == self._current_group_name:
+                    self._current_group_name = None
 
     def resident_swap_bytes(self, prefix: Optional[str] = None) -> int:
         """Bytes of swap candidates occupying device memory now (produced and not yet offloaded,
@@ -261,6 +289,9 @@ class SwapManager:
     def set_host_memory_limit(self, limit_bytes: Optional[int]) -> None:
         """Cap the host memory the swap pool may reserve; past it tensors stay on the device and
         ``stats()`` counts them under ``kept_bytes['host_limit']``. ``None`` removes the cap."""
+        if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int)):
+            raise TypeError(f"set_host_memory_limit expects a number of bytes (int) or None, got {limit_bytes!r} "
+                            f"({type(limit_bytes).__name__}); e.g. set_host_memory_limit(8 << 30) for 8 GiB.")
         if limit_bytes is not None and limit_bytes < 0:
             raise ValueError(f"host memory limit must be >= 0 or None, got {limit_bytes}")
         with self._locked():
@@ -275,24 +306,26 @@ class SwapManager:
 
     def stats(self) -> Dict[str, Any]:
         """Bytes offloaded, loaded and kept on the device (by reason), and seconds the host spent
-        in waits, per group and in total; plus the host pool's size."""
-        groups = {name: s.as_dict() for name, s in sorted(self._stats.items())}
-        total: Dict[str, Any] = {"offloaded_bytes": 0, "loaded_bytes": 0, "kept_bytes": {},
-                                 "wait_offload_s": 0.0, "wait_load_s": 0.0,
-                                 "offload_launches": 0, "load_launches": 0}
-        for g in groups.values():
-            for key, value in g.items():
-                if key == "kept_bytes":
-                    for reason, n in value.items():
-                        total["kept_bytes"][reason] = total["kept_bytes"].get(reason, 0) + n
-                else:
-                    total[key] += value
-        total["groups"] = groups
-        total["host_pool"] = {"reserved_bytes": self._pool.reserved_bytes,
-                              "in_use_bytes": self._pool.in_use_bytes,
-                              "allocations": self._pool.allocations,
-                              "limit_bytes": self._pool.limit_bytes}
-        return total
+        in waits, in total and per live group; plus the host pool's size.
+
+        ``groups`` has one entry per live group and per recently forgotten one (every storage of
+        it died, or ``discard_group``): the last 64 forgotten groups keep their entry, older ones
+        are folded into ``retired_groups`` (``count`` plus the summed counters), so a fresh group
+        name per step or micro-batch does not make ``stats()`` grow.
+        Totals include retired groups. Counters are cumulative until :meth:`reset`.
+        """
+        total = GroupStats()
+        total.merge(self._retired_stats)
+        for s in self._stats.values():
+            total.merge(s)
+        out = total.as_dict()
+        out["groups"] = {name: s.as_dict() for name, s in sorted(self._stats.items())}
+        out["retired_groups"] = {"count": self._retired_groups, **self._retired_stats.as_dict()}
+        out["host_pool"] = {"reserved_bytes": self._pool.reserved_bytes,
+                            "in_use_bytes": self._pool.in_use_bytes,
+                            "allocations": self._pool.allocations,
+                            "limit_bytes": self._pool.limit_bytes}
+        return out
 
     def reset(self) -> None:
         """Forget every group, the layer chain (its hooks are removed), the statistics, the
@@ -306,6 +339,9 @@ class SwapManager:
             self._groups.clear()
             self._retired.clear()
             self._stats.clear()
+            self._retired_stats = GroupStats()
+            self._retired_groups = 0
+            self._recent_retired.clear()
             self._current_group_name = None
             self._copy_streams = {}
             # The backend is read again: a test or tool may have switched it (core.backend.use_backend).

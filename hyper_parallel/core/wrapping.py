@@ -1,4 +1,5 @@
-"""Wrapping in place: ``checkpoint_wrapper``, ``swap_wrapper`` and ``wrap_layers``.
+"""Wrapping in place: ``checkpoint_wrapper``, ``swap_wrapper``, ``checkpoint_exclude_wrapper`` and
+``wrap_layers``.
 
 Wrapping a module changes its class in place (as FSDP2's ``fully_shard`` does) to a subclass whose
 call method (``forward`` / ``construct``) runs the original one inside a checkpoint or swap region.
@@ -13,14 +14,16 @@ import functools
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from .backend import Backend, active_backend
+from .exclusion import excluded_call
 from .region import check_policy_fn, checkpoint, swap_region
 from .swap_manager import SwapManager
 
-__all__ = ["checkpoint_wrapper", "swap_wrapper", "wrap_layers"]
+__all__ = ["checkpoint_wrapper", "swap_wrapper", "checkpoint_exclude_wrapper", "wrap_layers"]
 
 _CHECKPOINT = "checkpoint"
 _SWAP = "swap"
-_PREFIX = {_CHECKPOINT: "Checkpointed", _SWAP: "Swapped"}
+_EXCLUDE = "checkpoint_exclude"
+_PREFIX = {_CHECKPOINT: "Checkpointed", _SWAP: "Swapped", _EXCLUDE: "Excluded"}
 
 
 class _Wrapped:
@@ -63,9 +66,13 @@ def _wrapped_class(kind: str, cls: type, method: str) -> type:
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             return checkpoint(getattr(super(wrapped, self), method), *args, policy_fn=self._hp_policy_fn,
                               swap_inputs=self._hp_swap_inputs, **self._hp_checkpoint_options, **kwargs)
-    else:
+    elif kind == _SWAP:
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             return swap_region(getattr(super(wrapped, self), method), self._hp_swap_policy_fn, *args, **kwargs)
+    else:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return excluded_call(getattr(super(wrapped, self), method), args, kwargs, backend=active_backend(),
+                                 swap=self._hp_exclude_swap, owner=self, label=type(self).__name__)
 
     call.__name__ = method
     call.__qualname__ = f"{_PREFIX[kind]}{cls.__name__}.{method}"
@@ -118,6 +125,8 @@ def checkpoint_wrapper(module_or_function: Any, policy_fn: Any = None, swap_inpu
         raise TypeError(f"swap_inputs must be a bool, got {swap_inputs!r}")
     target = module_or_function
     if b.is_module(target):
+        if policy_fn is not None or swap_inputs:
+            b.check_region_owner(target, selective=policy_fn is not None)
         return _wrap_module(b, target, _CHECKPOINT, {"_hp_policy_fn": policy_fn, "_hp_swap_inputs": swap_inputs,
                                                      "_hp_checkpoint_options": dict(checkpoint_options)})
     if not callable(target):
@@ -153,6 +162,7 @@ def swap_wrapper(module_or_function: Any, policy_fn: Optional[Callable[[Any], An
         raise TypeError(f"swap_wrapper policy_fn must be callable policy_fn(tensor), got {policy_fn!r}")
     target = module_or_function
     if b.is_module(target):
+        b.check_region_owner(target, selective=False)
         return _wrap_module(b, target, _SWAP, {"_hp_swap_policy_fn": policy_fn})
     if not callable(target):
         raise TypeError(f"swap_wrapper expects an {b.module_type} or a callable, got {target!r}")
@@ -162,6 +172,53 @@ def swap_wrapper(module_or_function: Any, policy_fn: Optional[Callable[[Any], An
         return swap_region(target, policy_fn, *args, **kwargs)
 
     return swapped
+
+
+def checkpoint_exclude_wrapper(module_or_function: Any, swap: bool = False) -> Any:
+    """Exclude a sub-module (or function) from the recomputation of the checkpoint region it runs
+    in: it runs once, in forward, and its outputs are reused, not recomputed, when the region is
+    recomputed in backward (keep attention, recompute the MLP, without naming ops in a policy).
+
+    - ``swap=False``: its outputs, and what its ops save for its own backward, stay on the device
+      (as without checkpointing: SAVE);
+    - ``swap=True``: they are swap candidates of the current swap group (SWAP), moved when the
+      group is offloaded and loaded (``set_forward_prefetch_layer``, ``pipeline_swap``).
+
+    The region's selective policy is not asked about the sub-module's ops. Outside a checkpoint
+    region the sub-module runs as usual, so the wrapper can stay on a module that is not always
+    checkpointed. An excluded module inside another excluded module is simply part of it; one
+    inside a checkpoint region nested in an excluded module is excluded from that inner region.
+    The sub-module must not modify its inputs in place (recomputation cannot replay the write: a
+    clear error says so). A module is wrapped in place (its class changes, as with
+    :func:`checkpoint_wrapper`); a function gives back a callable. Regions of the framework's own
+    ``checkpoint`` (not this library's) do not see the exclusion: the sub-module is recomputed.
+
+    Example::
+
+        >>> import torch
+        >>> from hyper_parallel.core.activation_checkpoint import checkpoint_exclude_wrapper, checkpoint_wrapper
+        >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+        >>> _ = checkpoint_exclude_wrapper(block[0])   # kept: never re-run in backward
+        >>> _ = checkpoint_wrapper(block)               # the rest is recomputed
+        >>> block(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    """
+    b = active_backend()
+    if not isinstance(swap, bool):
+        raise TypeError(f"checkpoint_exclude_wrapper: swap must be a bool, got {swap!r}")
+    if not b.exclusion_supported:
+        raise NotImplementedError(f"checkpoint_exclude_wrapper is not supported on the {b.name} backend.")
+    target = module_or_function
+    if b.is_module(target):
+        return _wrap_module(b, target, _EXCLUDE, {"_hp_exclude_swap": swap})
+    if not callable(target):
+        raise TypeError(f"checkpoint_exclude_wrapper expects an {b.module_type} or a callable, got {target!r}")
+    label = getattr(target, "__name__", "excluded function")
+
+    @functools.wraps(target)
+    def excluded(*args: Any, **kwargs: Any) -> Any:
+        return excluded_call(target, args, kwargs, backend=active_backend(), swap=swap, label=label)
+
+    return excluded
 
 
 def wrap_layers(layers: Any, *, policy_fn: Any = None, swap: bool = False, swap_inputs: bool = False,

@@ -33,7 +33,7 @@ from hyper_parallel.core.region_state import RegionMarker
 from . import _shim
 
 __all__ = ["MindSporeBackend", "ViewMeta", "device_kind", "op_name", "is_random_op", "is_mutating_op",
-           "RANDOM_OP_NAMES", "pipeline_swap"]
+           "RANDOM_OP_NAMES", "pipeline_swap", "pipeline_recompute"]
 
 _ACCELERATORS = ("Ascend", "GPU")
 
@@ -124,16 +124,16 @@ class _RegionMode(MsDispatchMode):
 
     recompute = False
 
-    def __init__(self, region: Any) -> None:
+    def __init__(self, region: Any, frame: Any = None) -> None:
         super().__init__()
         self._region = region
         self._op = region.recompute_op if self.recompute else region.forward_op
-        self._marker = RegionMarker(recompute=self.recompute)
+        self._marker = RegionMarker(recompute=self.recompute, frame=frame)
         self._pipeline_prev: List[bool] = []
 
     def __enter__(self) -> "_RegionMode":
         if self.recompute:
-            self._region.log.start_replay()  # each recomputation replays the region from its first op
+            self._region.start_replay()
         self._pipeline_prev.append(_shim.disable_pipeline())
         self._marker.__enter__()
         try:
@@ -215,6 +215,10 @@ class MindSporeBackend(Backend):
         # Autograd attaches the recomputed node to the returned tensor object, so it must not be
         # the one the cache (or the swap system) keeps.
         return self.alias(t)
+
+    def clone(self, t: Tensor) -> Tensor:
+        with _shim.internal():  # the CPU build has no Clone kernel
+            return mint.empty_like(t).copy_(t)
 
     def unswappable_reason(self, t: Any) -> Optional[KeepReason]:
         if not isinstance(t, Tensor):
@@ -319,16 +323,28 @@ class MindSporeBackend(Backend):
     def saved_tensors_hooks(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
         return ms.saved_tensors_hooks(pack, unpack)
 
-    def dispatch_modes(self, region: Any) -> Tuple[MsDispatchMode, MsDispatchMode]:
-        return _RegionMode(region), _RecomputeMode(region)
+    def dispatch_modes(self, region: Any, frame: Any = None) -> Tuple[MsDispatchMode, MsDispatchMode]:
+        return _RegionMode(region, frame), _RecomputeMode(region, frame)
 
     def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
-                       region: Any, options: dict) -> Any:
+                       frame: Any, options: dict) -> Any:
+        # MindSpore always runs a selective region (it cannot replay the RNG; see rng_replayable).
+        # recompute_sessions stays False: each half of a split backward recomputes.
         extra = {}
         if "preserve_rng_state" in options:
             extra["save_rng_state"] = bool(options["preserve_rng_state"])
         return ms.recompute(function, *args, use_reentrant=False, early_stop=bool(options.get("early_stop", False)),
-                            context_fn=lambda: self.dispatch_modes(region), **extra, **kwargs)
+                            context_fn=lambda: self.dispatch_modes(frame.selective, frame), **extra, **kwargs)
+
+    def compiling(self) -> bool:
+        return False  # PyNative only: graph mode is refused by check_ready
+
+    def run_eagerly(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    def run_compiled_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
+                                policy_fn: Optional[Callable[..., Any]], options: dict) -> Any:
+        raise RuntimeError("hyper_parallel has no compiled path on MindSpore (PyNative only).")
 
     def check_checkpoint_options(self, options: dict, selective: bool) -> None:
         return None
@@ -360,6 +376,8 @@ class MindSporeBackend(Backend):
 
     def written_tensors(self, op: Any, args: Tuple[Any, ...], kwargs: dict) -> List[Tensor]:
         # MindSpore's in-place primitives (Inplace*, Assign*, Scatter*) write to their first input.
+        if not is_mutating_op(op.name):
+            return []
         return [args[0]] if args and isinstance(args[0], Tensor) else []
 
     def op_list_entry(self, entry: Any) -> Hashable:
@@ -403,7 +421,10 @@ class MindSporeBackend(Backend):
                 continue
             yield p
 
-    def check_selective_owner(self, module: nn.Cell) -> None:
+    def has_buffers(self, module: nn.Cell) -> bool:
+        return any(not p.requires_grad for p in module.get_parameters())
+
+    def check_region_owner(self, module: nn.Cell, selective: bool) -> None:
         return None
 
     def register_forward_hooks(self, module: nn.Cell, pre: Callable[..., None],
@@ -421,3 +442,11 @@ def pipeline_swap(schedule: Any, prefetch: int = 1, prefix: str = "pp", measure:
         "object in PyNative. Drive hyper_parallel.core.microbatch_schedule.MicrobatchSwapSchedule by hand "
         "(forward_start/forward_end/backward_start/backward_end per microbatch, step_end per step), or "
         "use SwapManager's atomic API.")
+
+
+def pipeline_recompute(schedule: Any) -> Any:
+    """Not available on MindSpore: it adapts ``torch.distributed.pipelining`` schedules."""
+    raise RuntimeError(
+        "pipeline_recompute adapts torch.distributed.pipelining schedules (zero-bubble split backward); "
+        "MindSpore has no such schedule object in PyNative, and its recompute does not support recompute "
+        "sessions.")

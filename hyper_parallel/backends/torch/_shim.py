@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from typing import Any, List
@@ -12,7 +14,14 @@ except ImportError:  # a build without torch.distributed
     _FSDPModule = None
 
 __all__ = ["storage_key", "version", "storage_use_count", "in_backward", "detach_keeping_version", "pipeline_stages",
-           "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class", "pinned_alloc_size", "empty_host_cache"]
+           "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class", "innermost_saved_tensors_hooks",
+           "functional_collective", "is_compiled_module",
+           "pinned_alloc_size", "empty_host_cache"]
+
+# Namespaces of PyTorch's functional collectives (and their waits): ops that communicate.
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
+# Ops of those namespaces that do not communicate.
+_NOT_COMMUNICATING = frozenset({"_wrap_tensor_autograd"})
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -56,7 +65,7 @@ def pipeline_stages(schedule: Any) -> List[Any]:
         stages = [stage] if stage is not None else None
     if not stages:
         raise TypeError(
-            f"pipeline_swap expects a torch.distributed.pipelining schedule (ScheduleGPipe, "
+            f"pipeline_swap and pipeline_recompute expect a torch.distributed.pipelining schedule (ScheduleGPipe, "
             f"Schedule1F1B, ...) built on its PipelineStage(s), got {type(schedule).__name__}.")
     return list(stages)
 
@@ -80,6 +89,36 @@ def fsdp_module_class() -> Any:
     """``FSDPModule`` (the class ``fully_shard`` mixes into a module), or ``None`` on a build
     without ``torch.distributed``."""
     return _FSDPModule
+
+
+def is_compiled_module(module: Any) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns (``OptimizedModule``, whose
+    class PyTorch does not export publicly). Importing dynamo costs seconds: if nothing imported
+    it yet, nothing was compiled."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
+def innermost_saved_tensors_hooks() -> Any:
+    """The ``(pack, unpack)`` pair of the innermost saved-tensor hooks active now, or ``None``.
+    Inside a non-reentrant checkpoint's forward these are the checkpoint's own hooks (its frame
+    is private); a recompute session wraps them so that one recomputation can serve the halves of
+    a split backward. PyTorch has no public accessor for the hooks stack."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(True) if top is not None else None
+
+
+def functional_collective(op: Any) -> Any:
+    """``"wait"`` if ``op`` (an ``OpOverload``) waits for a functional collective
+    (``wait_tensor``), ``"collective"`` if it is one, else ``None``: its namespace is one of
+    PyTorch's functional-collective libraries. ``OpOverload.namespace`` is public; the namespace
+    and op names themselves are PyTorch internals."""
+    if getattr(op, "namespace", None) not in _COLLECTIVE_NAMESPACES:
+        return None
+    name = getattr(op, "_opname", None) or str(op).split(".")[1]
+    if name in _NOT_COMMUNICATING:
+        return None
+    return "wait" if name == "wait_tensor" else "collective"
 
 
 def pinned_alloc_size(nbytes: int) -> int:

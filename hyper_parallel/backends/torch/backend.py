@@ -9,6 +9,8 @@ machine runs.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 from typing import Any, Callable, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -18,7 +20,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from hyper_parallel.core.backend import Backend, OpKind
 from hyper_parallel.core.keep_reason import KeepReason
-from hyper_parallel.core.policy import CheckpointPolicy
+from hyper_parallel.core.policy import CheckpointPolicy, normalize_policy
+from hyper_parallel.core.recompute_session import SessionBoxes
 from hyper_parallel.core.region_state import RegionMarker
 
 from . import _shim
@@ -45,13 +48,46 @@ _FROM_TORCH = {
     _TORCH_POLICY.PREFER_CPU_OFFLOAD: CheckpointPolicy.MUST_SWAP,
 }
 
+# Ops that update their running_mean / running_var arguments (3 and 4) in place in training
+# mode although their schemas do not say so.
+_UNDECLARED_WRITES = {op: ((3, "running_mean"), (4, "running_var")) for op in (
+    torch.ops.aten.native_batch_norm.default, torch.ops.aten.cudnn_batch_norm.default,
+    torch.ops.aten.miopen_batch_norm.default)}
+
 # Issued by torch.utils.checkpoint itself, a different number of times in forward and recompute.
 _MACHINERY = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
 
 
+class _SessionHooks:
+    """Saved-tensor hooks pushed inside a checkpoint's own (the innermost pair when the
+    checkpoint's forward context is entered) that box what the checkpoint packs, so that a
+    ``RecomputeSession`` can share one recomputation between the halves of a split backward.
+    Outside a session a box only forwards to the checkpoint's unpack."""
+
+    __slots__ = ("_boxes", "_hooks")
+
+    def __init__(self, boxes: Any) -> None:
+        self._boxes = boxes
+        self._hooks: List[Any] = []
+
+    def __enter__(self) -> "_SessionHooks":
+        inner = _shim.innermost_saved_tensors_hooks() if self._boxes is not None else None
+        hooks: Any = contextlib.nullcontext()
+        if inner is not None:
+            pack, unpack = inner
+            hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self._boxes.pack, pack),
+                                                             functools.partial(SessionBoxes.unpack, unpack))
+        hooks.__enter__()
+        self._hooks.append(hooks)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.pop().__exit__(*exc)
+
+
 class _RegionMode(TorchDispatchMode):
     """Dispatch mode of one selective region; marks (on this thread) that the region's forward,
-    or its recomputation, is running."""
+    or its recomputation, is running; in forward, boxes what the checkpoint saves."""
 
     recompute = False
 
@@ -59,17 +95,25 @@ class _RegionMode(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, region: Any) -> None:
+    def __init__(self, region: Any, frame: Any = None) -> None:
         super().__init__()
         self._op = region.recompute_op if self.recompute else region.forward_op
-        self._marker = RegionMarker(recompute=self.recompute)
+        self._marker = RegionMarker(recompute=self.recompute, frame=frame)
+        self._session = _SessionHooks(None if self.recompute or frame is None else frame.boxes)
 
     def __enter__(self) -> "_RegionMode":
         self._marker.__enter__()
-        return super().__enter__()
+        try:
+            mode = super().__enter__()
+            self._session.__enter__()
+        except BaseException:
+            self._marker.__exit__(None, None, None)
+            raise
+        return mode
 
     def __exit__(self, *exc: Any) -> None:
         try:
+            self._session.__exit__(*exc)
             super().__exit__(*exc)
         finally:
             self._marker.__exit__(*exc)
@@ -81,17 +125,89 @@ class _RegionMode(TorchDispatchMode):
 class _RecomputeMode(_RegionMode):
     recompute = True
 
-    def __init__(self, region: Any) -> None:
-        super().__init__(region)
+    def __init__(self, region: Any, frame: Any = None) -> None:
+        super().__init__(region, frame)
         self._region = region
 
     def __enter__(self) -> "_RecomputeMode":
-        self._region.log.start_replay()  # each recomputation replays the region from its first op
+        self._region.start_replay()
         return super().__enter__()
 
 
-def _marker_contexts() -> Tuple[RegionMarker, RegionMarker]:
-    return RegionMarker(recompute=False), RegionMarker(recompute=True)
+class _WholeRegionForward:
+    """Forward context of a whole-region checkpoint: the region marker and the session boxes."""
+
+    def __init__(self, frame: Any) -> None:
+        self._marker = RegionMarker(recompute=False, frame=frame)
+        self._session = _SessionHooks(frame.boxes if frame is not None else None)
+
+    def __enter__(self) -> "_WholeRegionForward":
+        self._marker.__enter__()
+        try:
+            self._session.__enter__()
+        except BaseException:
+            self._marker.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._session.__exit__(*exc)
+        finally:
+            self._marker.__exit__(*exc)
+
+
+# What a selective policy's answer means to PyTorch's compiled selective checkpoint. MUST_SWAP
+# becomes CPU_OFFLOAD, which torch 2.13's partitioner keeps saved on the device (it has no eager
+# offload inside compiled graphs): under compile a swapped output behaves as SAVE.
+_TO_TORCH = {
+    CheckpointPolicy.MUST_SAVE: _TORCH_POLICY.MUST_SAVE,
+    CheckpointPolicy.PREFER_SAVE: _TORCH_POLICY.PREFER_SAVE,
+    CheckpointPolicy.MUST_RECOMPUTE: _TORCH_POLICY.MUST_RECOMPUTE,
+    CheckpointPolicy.PREFER_RECOMPUTE: _TORCH_POLICY.PREFER_RECOMPUTE,
+    CheckpointPolicy.MUST_SWAP: _TORCH_POLICY.MUST_CPU_OFFLOAD,
+}
+
+
+def _as_torch_policy(policy_fn: Callable[..., Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    answer = policy_fn(ctx, op, *args, **kwargs)
+    if isinstance(answer, bool):
+        return _TORCH_POLICY.MUST_SAVE if answer else _TORCH_POLICY.PREFER_RECOMPUTE
+    if isinstance(answer, _TORCH_POLICY):
+        return answer
+    return _TO_TORCH[normalize_policy(answer, op)]
+
+
+def _compiled_contexts(policy_fn: Callable[..., Any]) -> Any:
+    """The context pair of PyTorch's compiled selective checkpoint for one of our policies; a
+    module-level function in a ``functools.partial`` so that dynamo can treat it as a constant."""
+    return torch_ckpt.create_selective_checkpoint_contexts(functools.partial(_as_torch_policy, policy_fn))
+
+
+class _NoCompileHook:
+    """A module hook that always runs eagerly: the layer chain's hooks drive the swap manager
+    (copies, events, weak references), which a compiler must not trace. Copies and pickling
+    behave as those of the hook it carries."""
+
+    __slots__ = ("hook",)
+    _compiler_disabled = False
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+        if not _NoCompileHook._compiler_disabled:
+            # Marked once, on first use: torch.compiler.disable imports dynamo (seconds), which
+            # a process that never chains layers should not pay for.
+            _NoCompileHook.__call__ = torch.compiler.disable(_NoCompileHook.__call__)  # type: ignore[method-assign]
+            _NoCompileHook._compiler_disabled = True
+
+    def __call__(self, *args: Any) -> Any:
+        return self.hook(*args)
+
+    def __deepcopy__(self, memo: dict) -> "_NoCompileHook":
+        return _NoCompileHook(copy.deepcopy(self.hook, memo))
+
+    def __reduce__(self) -> Any:
+        return (_NoCompileHook, (self.hook,))
 
 
 class TorchBackend(Backend):
@@ -102,6 +218,8 @@ class TorchBackend(Backend):
     checkpoint_options = ("preserve_rng_state", "determinism_check", "debug", "early_stop")
     rng_replayable = True  # torch.utils.checkpoint restores the RNG state for recomputation
     op_list_entries = "OpOverloads"
+    recompute_sessions = True
+    exclusion_supported = True
 
     def __init__(self) -> None:
         acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -135,6 +253,9 @@ class TorchBackend(Backend):
 
     def hand_back(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def clone(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
 
     def unswappable_reason(self, t: torch.Tensor) -> Optional[KeepReason]:
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout is not torch.strided:
@@ -244,19 +365,41 @@ class TorchBackend(Backend):
     def saved_tensors_hooks(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def dispatch_modes(self, region: Any) -> Tuple[TorchDispatchMode, TorchDispatchMode]:
-        return _RegionMode(region), _RecomputeMode(region)
+    def dispatch_modes(self, region: Any, frame: Any = None) -> Tuple[TorchDispatchMode, TorchDispatchMode]:
+        return _RegionMode(region, frame), _RecomputeMode(region, frame)
 
     def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
-                       region: Any, options: dict) -> Any:
-        if region is not None:
-            context_fn: Callable[[], Any] = lambda: self.dispatch_modes(region)  # noqa: E731
+                       frame: Any, options: dict) -> Any:
+        region = frame.selective if frame is not None else None
+        if region is not None and not region.whole:
+            context_fn: Callable[[], Any] = lambda: self.dispatch_modes(region, frame)  # noqa: E731
         elif options.get("debug"):
             context_fn = torch_ckpt.noop_context_fn  # debug mode insists on the default contexts
+        elif region is not None:
+            # Forward needs no dispatch mode; the recomputation keeps writes off outside state.
+            context_fn = lambda: (_WholeRegionForward(frame), _RecomputeMode(region, frame))  # noqa: E731
         else:
-            context_fn = _marker_contexts
+            context_fn = lambda: (_WholeRegionForward(frame), RegionMarker(recompute=True, frame=frame))  # noqa: E731
         return torch_ckpt.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn,
                                      **options, **kwargs)
+
+    def compiling(self) -> bool:
+        return torch.compiler.is_compiling()
+
+    def run_eagerly(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return torch.compiler.disable(fn)(*args, **kwargs)
+
+    def run_compiled_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
+                                policy_fn: Optional[Callable[..., Any]], options: dict) -> Any:
+        if policy_fn is None:  # dynamo recognises the default context_fn only when none is passed
+            return torch_ckpt.checkpoint(function, *args, use_reentrant=False, **options, **kwargs)
+        return torch_ckpt.checkpoint(function, *args, use_reentrant=False,
+                                     context_fn=functools.partial(_compiled_contexts, policy_fn), **options, **kwargs)
+
+    def recomputed_leaf(self, t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        leaf = t.detach()
+        leaf.requires_grad_(requires_grad)
+        return leaf
 
     def check_checkpoint_options(self, options: dict, selective: bool) -> None:
         if options.get("debug") and selective:
@@ -272,7 +415,10 @@ class TorchBackend(Backend):
             return OpKind.MACHINERY
         schema = getattr(op, "_schema", None)
         if schema is not None and schema.is_mutable:
-            return OpKind.MUTATING
+            return OpKind.MUTATING  # in-place collectives too: replaying an output cannot replay a write
+        collective = _shim.functional_collective(op)
+        if collective is not None:
+            return OpKind.WAIT if collective == "wait" else OpKind.COLLECTIVE
         if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
             return OpKind.RANDOM
         return OpKind.PLAIN
@@ -285,7 +431,7 @@ class TorchBackend(Backend):
         if spec is None:
             schema = getattr(op, "_schema", None)
             spec = tuple((i, a.name) for i, a in enumerate(schema.arguments if schema is not None else ())
-                         if a.alias_info is not None and a.alias_info.is_write)
+                         if a.alias_info is not None and a.alias_info.is_write) + _UNDECLARED_WRITES.get(op, ())
             self._written[op] = spec
         out = []
         for i, name in spec:
@@ -320,7 +466,21 @@ class TorchBackend(Backend):
         yield from module.parameters()
         yield from module.buffers()
 
-    def check_selective_owner(self, module: torch.nn.Module) -> None:
+    def has_buffers(self, module: torch.nn.Module) -> bool:
+        return next(module.buffers(), None) is not None
+
+    def check_region_owner(self, module: torch.nn.Module, selective: bool) -> None:
+        if _shim.is_compiled_module(module):
+            # Inside code compiled by torch.compile, PyTorch disables saved-tensor hooks and a
+            # dispatch mode sees only the compiled kernels: nothing could be kept or swapped.
+            raise ValueError(
+                f"{type(module).__name__} is a torch.compile'd module: a selective policy, swap_inputs or "
+                "swap_wrapper cannot act inside compiled code (PyTorch disables saved-tensor hooks there). "
+                "Wrap the original layers first and compile afterwards (torch.compile(model), or "
+                "layer.compile() in place); whole-layer recompute (checkpoint_wrapper without policy_fn) "
+                "of a compiled block works.")
+        if not selective:
+            return
         # FSDP2 units inside a selective region run their all-gather/reshard hooks differently in
         # forward and in recompute, which a selective policy cannot replay: say so plainly.
         fsdp = _shim.fsdp_module_class()
@@ -335,7 +495,8 @@ class TorchBackend(Backend):
 
     def register_forward_hooks(self, module: torch.nn.Module, pre: Callable[..., None],
                                post: Callable[..., None]) -> List[Any]:
-        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
+        return [module.register_forward_pre_hook(_NoCompileHook(pre)),
+                module.register_forward_hook(_NoCompileHook(post), always_call=True)]
 
     def register_grad_hook(self, t: torch.Tensor, fn: Callable[[Any], None]) -> None:
         t.register_hook(fn)

@@ -39,18 +39,20 @@ def selected_platform() -> str:
 
 if selected_platform() == "mindspore":
     from hyper_parallel.backends.mindspore.backend import MindSporeBackend as _SelectedBackend
-    from hyper_parallel.backends.mindspore.backend import pipeline_swap
+    from hyper_parallel.backends.mindspore.backend import pipeline_recompute, pipeline_swap
 else:
     from hyper_parallel.backends.torch.backend import TorchBackend as _SelectedBackend
-    from hyper_parallel.backends.torch.pipeline import pipeline_swap
+    from hyper_parallel.backends.torch.pipeline import pipeline_recompute, pipeline_swap
 
 set_backend(_SelectedBackend())
 
 from hyper_parallel.core.keep_reason import KeepReason  # noqa: E402
-from hyper_parallel.core.policy import CheckpointPolicy, SelectiveCheckpointContext  # noqa: E402
+from hyper_parallel.core.policy import CheckpointPolicy, SelectiveCheckpointContext, keep_collectives  # noqa: E402
+from hyper_parallel.core.recompute_session import RecomputeSession  # noqa: E402
 from hyper_parallel.core.region import checkpoint, create_selective_checkpoint_contexts  # noqa: E402
 from hyper_parallel.core.swap_manager import SwapManager  # noqa: E402
-from hyper_parallel.core.wrapping import checkpoint_wrapper, swap_wrapper, wrap_layers  # noqa: E402
+from hyper_parallel.core.wrapping import (checkpoint_exclude_wrapper, checkpoint_wrapper,  # noqa: E402
+                                          swap_wrapper, wrap_layers)
 
 __all__ = [
     "CheckpointPolicy",
@@ -58,10 +60,14 @@ __all__ = [
     "create_selective_checkpoint_contexts",
     "checkpoint",
     "checkpoint_wrapper",
+    "checkpoint_exclude_wrapper",
     "swap_wrapper",
     "wrap_layers",
     "SwapManager",
     "KeepReason",
     "pipeline_swap",
+    "pipeline_recompute",
+    "RecomputeSession",
+    "keep_collectives",
     "selected_platform",
 ]

@@ -1,0 +1,119 @@
+"""A post-LN transformer with ``nn.MultiheadAttention`` and a ReLU feed-forward block: the shape of
+the original HyperParallel activation-checkpoint tests (16 layers), scaled down for a CPU.
+
+Each layer is ``x = norm1(x + drop(attn(x, x, x)))`` then ``x = norm2(x + drop(mlp(x)))`` with
+``mlp = Linear(dim, ffn) -> ReLU -> Linear(ffn, dim)``. The model has the interface of the bench
+GPT (:mod:`hyper_parallel.bench.model`), so every recipe of :mod:`hyper_parallel.bench.modes`
+applies to it and ``make_batch`` feeds it: ``.layers`` whose items have ``.attn`` and ``.mlp``
+and take ``(x, *, mask)``; ``forward(tokens, targets)`` returns the mean cross-entropy of a
+token embedding, the layers and an untied output head; ``cfg`` has ``vocab`` and ``seq``.
+
+``need_weights`` (default True, what ``attn(x, x, x)`` does) makes ``nn.MultiheadAttention``
+compute attention with ``bmm`` + softmax (ops a policy can save or swap); with False it calls
+``scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["PostLNConfig", "PostLNLayer", "PostLNTransformer"]
+
+
+@dataclass
+class PostLNConfig:
+    """Shape of the post-LN transformer (``ffn_ratio * dim`` hidden units in the feed-forward)."""
+
+    vocab: int = 512
+    dim: int = 256
+    heads: int = 4
+    layers: int = 16
+    seq: int = 128
+    ffn_ratio: int = 4
+    dropout: float = 0.0
+    causal: bool = True
+    need_weights: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dim % self.heads != 0:
+            raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
+        for name in ("vocab", "dim", "heads", "layers", "seq", "ffn_ratio"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"PostLNConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"PostLNConfig.dropout must be in [0, 1), got {self.dropout}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _SelfAttention(nn.Module):
+    """``nn.MultiheadAttention`` (batch first) called as self-attention; returns the output only."""
+
+    def __init__(self, cfg: PostLNConfig) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(cfg.dim, cfg.heads, dropout=cfg.dropout, batch_first=True)
+        self.need_weights = cfg.need_weights
+
+    def forward(self, x: torch.Tensor, *, mask=None) -> torch.Tensor:
+        if mask is not None and mask.shape[-1] != x.shape[1]:
+            mask = mask[: x.shape[1], : x.shape[1]]
+        return self.mha(x, x, x, attn_mask=mask, need_weights=self.need_weights)[0]
+
+
+class _FFN(nn.Module):
+    def __init__(self, cfg: PostLNConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.dim, cfg.ffn_ratio * cfg.dim)
+        self.act = nn.ReLU()
+        self.proj = nn.Linear(cfg.ffn_ratio * cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+class PostLNLayer(nn.Module):
+    """``norm1(x + drop(attn(x)))`` then ``norm2(x + drop(mlp(x)))``."""
+
+    def __init__(self, cfg: PostLNConfig) -> None:
+        super().__init__()
+        self.attn = _SelfAttention(cfg)
+        self.norm1 = nn.LayerNorm(cfg.dim)
+        self.mlp = _FFN(cfg)
+        self.norm2 = nn.LayerNorm(cfg.dim)
+        self.drop1 = nn.Dropout(cfg.dropout)
+        self.drop2 = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, *, mask=None) -> torch.Tensor:
+        x = self.norm1(x + self.drop1(self.attn(x, mask=mask)))
+        return self.norm2(x + self.drop2(self.mlp(x)))
+
+
+class PostLNTransformer(nn.Module):
+    """Token embedding, ``cfg.layers`` post-LN layers, an output head; deterministic from ``seed``."""
+
+    def __init__(self, cfg: PostLNConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(seed))
+            self.tok_emb = nn.Embedding(cfg.vocab, cfg.dim)
+            self.layers = nn.ModuleList(PostLNLayer(cfg) for _ in range(cfg.layers))
+            self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+            nn.init.normal_(self.tok_emb.weight, std=1.0 / math.sqrt(cfg.dim))
+        mask = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).triu(diagonal=1) if cfg.causal else None
+        self.register_buffer("mask", mask)  # True = masked out (a future position)
+
+    def forward(self, tokens: torch.Tensor, targets=None) -> torch.Tensor:
+        h = self.tok_emb(tokens)
+        for layer in self.layers:
+            h = layer(h, mask=self.mask)
+        logits = self.head(h)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

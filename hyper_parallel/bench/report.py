@@ -1,0 +1,237 @@
+"""Reporting for every benchmark: tables, legends, loss comparison, swap statistics, the
+environment, JSON and charts.
+
+Each benchmark (``python -m hyper_parallel.bench``, ``benchmarks/compare_peers.py``,
+``benchmarks/recompute_vs_torch.py``) builds its rows and prints them with :func:`table`; a
+legend of what each row wraps comes from the recipes' ``what`` (:func:`legend`); losses are
+compared with :func:`loss_check`; ``SwapManager().stats()`` is one line by :func:`swap_stats_line`;
+:func:`write_json` writes a result document and :func:`bar_chart` / :func:`sweep_chart` draw it
+(when matplotlib is installed: the ``bench`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["MiB", "fmt", "ratio", "table", "legend", "loss_check", "swap_stats_line", "environment",
+           "plain", "write_json", "have_matplotlib", "bar_chart", "sweep_chart", "CPU_TIMING_NOTE"]
+
+MiB = 1024 * 1024
+
+#: What CPU step times of the copying and re-running variants mean (printed with CPU results).
+CPU_TIMING_NOTE = ("note: on CPU the swap copies are synchronous memcpys (no copy engine to overlap them with "
+                   "compute) and save/recompute re-run ops on the same few cores, so these step times say "
+                   "nothing about a GPU; the peak memory column models what a device would hold")
+
+
+def fmt(x: Optional[float], spec: str = "%.1f") -> str:
+    """``spec % x``, or ``-`` for ``None``."""
+    return "-" if x is None else spec % x
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """``a / b``, or ``None`` when either is missing or ``b`` is 0."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str) -> str:
+    """A plain-text table: the header, a rule, the rows; ``align`` has one ``l`` or ``r`` per
+    column."""
+    rows = [[str(c) for c in row] for row in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+
+    def line(row: Sequence[Any]) -> str:
+        return "  ".join(str(c).rjust(w) if a == "r" else str(c).ljust(w)
+                         for c, w, a in zip(row, widths, align)).rstrip()
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
+
+
+def legend(rows: Sequence[Tuple[str, str]], title: str = "legend") -> str:
+    """``title:`` then one line per ``(name, what it does)``."""
+    width = max((len(n) for n, _ in rows), default=0)
+    return "\n".join([f"{title}:"] + [f"  {n.ljust(width)}  {what}" for n, what in rows])
+
+
+def loss_check(losses: Sequence[float], baseline: Sequence[float], exact: bool,
+               atol: float) -> Dict[str, Any]:
+    """``{"equal", "max_abs_diff"}`` of one loss sequence against the baseline's: bitwise when
+    ``exact`` (CPU), else within ``atol``; sequences of different lengths are not equal."""
+    if len(losses) != len(baseline):
+        return {"equal": False, "max_abs_diff": None}
+    diff = max((abs(a - b) for a, b in zip(losses, baseline)), default=0.0)
+    equal = all(a == b for a, b in zip(losses, baseline)) if exact else diff <= atol
+    return {"equal": equal, "max_abs_diff": diff}
+
+
+def swap_stats_line(stats: Mapping[str, Any]) -> str:
+    """``SwapManager().stats()`` (or its JSON form) in one line."""
+    pool = stats.get("host_pool") or {}
+    kept = ", ".join(f"{k}={v / MiB:.1f} MiB" for k, v in sorted((stats.get("kept_bytes") or {}).items())) or "none"
+    return (f"offloaded {stats.get('offloaded_bytes', 0) / MiB:.1f} MiB in {stats.get('offload_launches', 0)} "
+            f"launches, loaded {stats.get('loaded_bytes', 0) / MiB:.1f} MiB in {stats.get('load_launches', 0)} "
+            f"launches, host waits offload {stats.get('wait_offload_s', 0) * 1e3:.1f} ms / load "
+            f"{stats.get('wait_load_s', 0) * 1e3:.1f} ms, kept on device: {kept}; host pool "
+            f"{pool.get('reserved_bytes', 0) / MiB:.1f} MiB reserved in {pool.get('allocations', 0)} buffers")
+
+
+def environment(device: torch.device) -> Dict[str, Any]:
+    """Device, versions and thread count, for a result document."""
+    env: Dict[str, Any] = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_threads": torch.get_num_threads(),
+    }
+    if device.type != "cpu":
+        try:
+            dm = torch.get_device_module(device.type)
+            env["device_name"] = dm.get_device_name(device)
+            props = dm.get_device_properties(device)
+            env["device_memory_bytes"] = int(getattr(props, "total_memory", 0))
+        except Exception as exc:  # pragma: no cover - depends on the accelerator
+            env["device_name"] = f"unknown ({exc})"
+        env["cuda"] = getattr(torch.version, "cuda", None)
+    try:
+        import torchtune  # noqa: F401
+
+        env["torchtune"] = getattr(sys.modules["torchtune"], "__version__", "?")
+    except Exception:
+        env["torchtune"] = None
+    return env
+
+
+def plain(obj: Any) -> Any:
+    """``obj`` made JSON-friendly: keys to ``str``, numbers kept, anything else as a number when
+    it converts (tensors, numpy scalars) or its ``str``."""
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    if isinstance(obj, (int, float, str, bool)) or obj is None:
+        return obj
+    try:
+        return float(obj)
+    except (TypeError, ValueError):
+        return str(obj)
+
+
+def write_json(path: str, doc: Mapping[str, Any]) -> None:
+    """Write ``doc`` to ``path`` (folders created; replaced atomically, so a reader never sees
+    half a file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(plain(doc), f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- charts
+
+def have_matplotlib() -> Tuple[bool, str]:
+    """``(True, "")`` or ``(False, why no chart is written)``."""
+    try:
+        import matplotlib  # noqa: F401
+
+        return True, ""
+    except ImportError:
+        return False, ("matplotlib is not installed: pip install -e '.[bench]' (or pip install "
+                       "matplotlib); no chart written")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: str) -> None:
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+
+
+_COLORS = {"baseline": "tab:gray", "peer": "tab:orange", "ours": "tab:blue"}
+
+
+def bar_chart(path: str, rows: Mapping[str, Mapping[str, Any]], title: str,
+              time_label: str = "median step (ms)") -> None:
+    """Three panels per row name: peak memory, median step time, bytes moved per step. Each row
+    has ``who``, ``peak_bytes``, ``step_time_s`` and ``bytes_moved_per_step`` (``d2h``, ``h2d``)."""
+    plt = _plt()
+    names = [n for n in rows if rows[n]["peak_bytes"] is not None]
+    colors = [_COLORS.get(rows[n]["who"], "tab:blue") for n in names]
+    fig, axes = plt.subplots(1, 3, figsize=(min(16.0, max(9.0, 1.2 * len(names) + 4)), 4.8))
+    xs = list(range(len(names)))
+    panels = [
+        ("peak device memory (MiB)", [rows[n]["peak_bytes"] / MiB for n in names]),
+        (time_label, [(rows[n]["step_time_s"] or 0) * 1e3 for n in names]),
+        ("moved per step, D2H+H2D (MiB)",
+         [(rows[n]["bytes_moved_per_step"]["d2h"] + rows[n]["bytes_moved_per_step"]["h2d"]) / MiB for n in names]),
+    ]
+    for ax, (label, vals) in zip(axes, panels):
+        ax.bar(xs, vals, color=colors)
+        ax.set_xticks(xs, names, rotation=40, ha="right", fontsize=8)
+        ax.set_title(label, fontsize=10)
+        for x, val in zip(xs, vals):
+            ax.text(x, val, "%.0f" % val, ha="center", va="bottom", fontsize=7)
+    from matplotlib.patches import Patch
+
+    whos = [w for w in _COLORS if any(rows[n]["who"] == w for n in names)]
+    labels = {"baseline": "baseline", "peer": "peers", "ours": "hyper-parallel"}
+    axes[0].legend(handles=[Patch(color=_COLORS[w], label=labels[w]) for w in whos], fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    _save(fig, path)
+
+
+def sweep_chart(path: str, axis: str, points: List[Dict[str, Any]], title: str) -> None:
+    """Peak above params + buffers and median step time of every row against the swept ``axis``;
+    ``points`` are ``{"value", "results": {name: row}}`` with rows as in :func:`bar_chart` plus
+    ``peak_above_static_bytes`` and ``grad_bytes``."""
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    names: List[str] = []
+    for p in points:
+        names += [n for n in p["results"] if n not in names]
+    markers = "osD^v<>ph*"
+    for k, n in enumerate(names):
+        xs, mem, tm, who = [], [], [], "ours"
+        for p in points:
+            r = p["results"].get(n)
+            if r is None or r["peak_bytes"] is None:
+                continue
+            who = r["who"]
+            xs.append(p["value"])
+            mem.append(r["peak_above_static_bytes"] / MiB)
+            tm.append((r["step_time_s"] or 0) * 1e3)
+        style = {"ours": "-", "peer": "--"}.get(who, ":")
+        ax1.plot(xs, mem, style, marker=markers[k % len(markers)], label=n, alpha=0.85)
+        ax2.plot(xs, tm, style, marker=markers[k % len(markers)], label=n, alpha=0.85)
+    gx = [p["value"] for p in points if p["results"]]
+    gy = [next(iter(p["results"].values()))["grad_bytes"] / MiB for p in points if p["results"]]
+    ax1.plot(gx, gy, color="black", linestyle=(0, (1, 3)), label="gradients of all params")
+    ax1.set_xlabel(axis)
+    ax1.set_ylabel("peak above params+buffers (MiB)")
+    ax1.set_title("peak memory (activations + grads)", fontsize=10)
+    ax2.set_xlabel(axis)
+    ax2.set_ylabel("median fwd+bwd step (ms)")
+    ax2.set_title("step time", fontsize=10)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    _save(fig, path)

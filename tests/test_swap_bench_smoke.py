@@ -1,0 +1,114 @@
+"""Smoke tests of benchmarks/swap_overhead.py and benchmarks/swap_memory.py (issue 12's measurements)
+at tiny size, and of the copying peers they compare against. No timing assertions: the numbers are
+for the issue's notes and docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hyper_parallel.bench.modes import ByteCounter, CopyHooks, HooksLayer, sac_host_copy_contexts
+from hyper_parallel.bench.swapbench import SmallOpsNet, _torch_policy, saved_bytes_per_layer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+HANG_GUARD_S = 60 * 60  # a guard against a hung subprocess, never a speed check
+
+
+def _run(argv, tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable] + argv, cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S, stdin=subprocess.DEVNULL)
+    return proc, f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_copying_peers_are_bitwise_exact_and_count_what_they_copy():
+    torch.manual_seed(0)
+    base = SmallOpsNet(blocks=3, dim=8, hidden=16)
+    x = torch.randn(2, 8)
+    base(x).backward()
+    want = _grads(base)
+
+    hooks = ByteCounter()
+    m = SmallOpsNet(blocks=3, dim=8, hidden=16)
+    for i, b in enumerate(m.layers):
+        m.layers[i] = HooksLayer(b, lambda: CopyHooks(hooks))
+    m(x).backward()
+    assert all(torch.equal(a, b) for a, b in zip(_grads(m), want))
+    assert hooks.tensors > 0 and hooks.d2h > 0 and hooks.h2d == hooks.d2h  # every copy came back
+
+    sac = ByteCounter()
+    m = SmallOpsNet(blocks=3, dim=8, hidden=16)
+    for i, b in enumerate(m.layers):
+        m.layers[i] = HooksLayer(b, lambda: CopyHooks(sac),
+                                 context_fn=lambda: sac_host_copy_contexts(_torch_policy, sac))
+    m(x).backward()
+    assert all(torch.equal(a, b) for a, b in zip(_grads(m), want))
+    # per block: the input (outer hooks) and both addmm outputs (the cache) copied out
+    per_block = 2 * 8 * 4 + 2 * 16 * 4 + 2 * 8 * 4
+    assert sac.tensors == 3 * 3 and sac.d2h == 3 * per_block
+    assert 0 < sac.h2d <= sac.d2h
+
+
+def test_saved_bytes_per_layer_counts_activations_not_parameters():
+    m = SmallOpsNet(blocks=2, dim=8, hidden=16)
+    per_layer = saved_bytes_per_layer(m, (torch.randn(4, 8),))
+    assert len(per_layer) == 2 and per_layer[0] == per_layer[1] > 0
+    assert per_layer[0] < sum(p.numel() * 4 for p in m.layers[0].parameters()) + 4 * 8 * 4 * 10
+
+
+@pytest.mark.slow
+def test_swap_overhead_tiny(tmp_path):
+    out = tmp_path / "overhead.json"
+    proc, log = _run([os.path.join(BENCH, "swap_overhead.py"), "--blocks", "3", "--dim", "8", "--hidden", "16",
+                      "--batch", "2", "--rounds", "2", "--warmup", "1", "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, log
+    doc = json.loads(out.read_text())
+    rows = doc["results"]
+    assert set(rows) == {"none", "save_on_cpu", "copy_hooks", "ours_swap_wrapper", "torch_sac", "torch_sac_copy",
+                         "ours_save", "ours_ckpt_swap"}
+    assert all(r["grads_equal_to_none"] for r in rows.values())
+    for n in ("copy_hooks", "ours_swap_wrapper", "torch_sac_copy", "ours_ckpt_swap"):
+        assert rows[n]["moved"]["tensors"] > 0 and rows[n]["moved"]["d2h"] > 0, (n, rows[n])
+    for n in ("none", "save_on_cpu", "torch_sac", "ours_save"):
+        assert rows[n]["moved"] == {"tensors": 0, "d2h": 0, "h2d": 0}, (n, rows[n])
+    pairs = {(p["ours"], p["peer"]): p for p in doc["pairs"]}
+    assert pairs[("ours_swap_wrapper", "copy_hooks")]["target"] == 1.5
+    assert pairs[("ours_ckpt_swap", "torch_sac_copy")]["target"] == 1.25
+    assert all(p["ratio"] > 0 for p in pairs.values())
+    assert "overhead us/tensor" in proc.stdout and "legend:" in proc.stdout and "load average" in proc.stdout
+
+
+@pytest.mark.slow
+def test_swap_memory_tiny(tmp_path):
+    out = tmp_path / "memory.json"
+    proc, log = _run([os.path.join(BENCH, "swap_memory.py"), "--gpt-layers", "2", "--gpt-dim", "16", "--gpt-heads", "2",
+                      "--gpt-seq", "8", "--gpt-batch", "2", "--postln-layers", "2", "--postln-dim", "16",
+                      "--postln-heads", "2", "--postln-seq", "8", "--postln-batch", "2", "--vocab", "32",
+                      "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, log
+    doc = json.loads(out.read_text())
+    assert set(doc["models"]) == {"gpt", "postln"}
+    for name, res in doc["models"].items():
+        assert not res["errors"], res["errors"]
+        assert list(res["results"]) == ["none", "recompute", "swap", "swap_wrapper", "save_on_cpu"]
+        for mode, r in res["results"].items():
+            assert set(r["phases"]) == {"forward", "backward", "optimizer"}
+            assert r["peak_bytes"] == max(p["peak"] for p in r["phases"].values()) > 0
+            assert r["loss"] == res["results"]["none"]["loss"], (name, mode)
+        after_fwd = {m: r["phases"]["forward"]["end"] for m, r in res["results"].items()}
+        assert after_fwd["recompute"] < after_fwd["none"]
+        assert res["bound"]["lower_bound_bytes"] > res["bound"]["static_bytes"]
+        assert len(res["targets"]) == 4
+        assert f"[{name}]" in proc.stdout
+    assert "peak / save_on_cpu" in proc.stdout and "lower bound (estimate)" in proc.stdout
