@@ -12,6 +12,9 @@ from hyper_parallel.core.activation_checkpoint import (
 
 from swap_models import ManagerSpy, ToyNet, assert_tensors_equal, chain, grads, group, make_input
 
+# Every test also runs on the simulated asynchronous device, stream-ordering checker on ([sim]).
+pytestmark = pytest.mark.sim_device
+
 N_LAYERS = 4
 
 FORWARD_CALLS = [

@@ -84,6 +84,7 @@ def _assert_same(a: tuple, b: tuple) -> None:
         assert torch.equal(a[1][k], b[1][k]), k
 
 
+@pytest.mark.sim_device
 def test_swap_wrapper_on_attention_and_swap_policy_on_mlp():
     base = _train(GPT(CFG, seed=3))
     model = GPT(CFG, seed=3)
@@ -97,6 +98,7 @@ def test_swap_wrapper_on_attention_and_swap_policy_on_mlp():
     assert stats["offloaded_bytes"] > 0 and stats["loaded_bytes"] == stats["offloaded_bytes"]
 
 
+@pytest.mark.sim_device
 def test_whole_layer_and_submodule_function_wrapping_mixed():
     base = _train(GPT(CFG, seed=5))
     model = GPT(CFG, seed=5)

@@ -15,6 +15,9 @@ from hyper_parallel.tools.memory import MemoryMeter
 
 from swap_models import ToyNet, assert_tensors_equal, grads, group, make_input, round_trip, train
 
+# Every test also runs on the simulated asynchronous device, stream-ordering checker on ([sim]).
+pytestmark = pytest.mark.sim_device
+
 
 
 

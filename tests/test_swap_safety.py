@@ -19,6 +19,9 @@ from hyper_parallel.core.activation_checkpoint import (
 from swap_models import (ToyBlock, ToyNet, assert_tensors_equal, chain, grads, group, make_input,
                          round_trip, saved_tensor_nodes)
 
+# Every test also runs on the simulated asynchronous device, stream-ordering checker on ([sim]).
+pytestmark = pytest.mark.sim_device
+
 
 
 
@@ -236,6 +239,7 @@ def test_qkv_split_views_reload_as_aliases():
     assert any(set(split_views) <= set(block) for block in partition), "q, k, v share one storage"
 
 
+@pytest.mark.no_sim("reads autograd's saved wrapped scalars, which PyTorch cannot detach under any dispatch mode")
 def test_expanded_transposed_and_dtype_views_of_one_storage():
     gen = torch.Generator().manual_seed(1)
     w_bf16 = nn.Parameter(torch.randn(8, 8, generator=gen).bfloat16())
@@ -340,6 +344,7 @@ def test_second_backward_through_a_swap_region_is_an_error():
 
 
 @pytest.mark.slow
+@pytest.mark.no_sim("the schedule runs in a subprocess, which does not use the simulated device")
 def test_backward_after_offload_without_load_raises_in_python_not_crash():
     script = textwrap.dedent("""
         import torch

@@ -14,6 +14,9 @@ from hyper_parallel.tools.memory import MemoryMeter
 from swap_models import (ToyNet, assert_tensors_equal, grads, group, make_input, params, round_trip,
                          train)
 
+# Every test also runs on the simulated asynchronous device, stream-ordering checker on ([sim]).
+pytestmark = pytest.mark.sim_device
+
 bench_model = pytest.importorskip("hyper_parallel.bench.model")
 bench_modes = pytest.importorskip("hyper_parallel.bench.modes")
 

@@ -167,6 +167,17 @@ class Backend(abc.ABC):
         """``nbytes`` host bytes, page-locked where the framework offers it (asynchronous copies)."""
         ...
 
+    def host_alloc_size(self, nbytes: int) -> int:
+        """Bytes the framework's host allocator really reserves for an :meth:`empty_host_bytes`
+        request of ``nbytes`` (what the host pool counts against its cap). The default: exactly
+        ``nbytes``."""
+        return nbytes
+
+    def empty_host_cache(self) -> None:
+        """Return the host memory the framework's host allocator caches (blocks no tensor uses)
+        to the operating system. The default does nothing (no caching host allocator)."""
+        return None
+
     @abc.abstractmethod
     def copy_bytes(self, dst: Tensor, src: Tensor) -> None:
         """Copy ``src`` into ``dst`` (same byte count) on the current stream, asynchronously where
@@ -180,19 +191,27 @@ class Backend(abc.ABC):
         ...
 
     # ------------------------------------------------------------------ streams and events
+    def device_key(self, meta: ViewMeta) -> Hashable:
+        """The device whose streams order work on a tensor with this :meth:`view_meta` (what
+        :meth:`current_stream` and :meth:`new_copy_stream` take); ``None`` means the current
+        device. The default: ``None`` (one device per process)."""
+        return None
+
     @abc.abstractmethod
-    def current_stream(self) -> Stream:
-        """The stream compute runs on now (``None`` without streams)."""
+    def current_stream(self, device: Hashable = None) -> Stream:
+        """The stream compute runs on now on ``device`` (a :meth:`device_key`; ``None``: the
+        current device); ``None`` without streams."""
         ...
 
     @abc.abstractmethod
-    def new_copy_stream(self) -> Stream:
-        """A new stream for copies (``None`` without streams)."""
+    def new_copy_stream(self, device: Hashable = None) -> Stream:
+        """A new stream for copies on ``device`` (a :meth:`device_key`; ``None``: the current
+        device); ``None`` without streams."""
         ...
 
     @abc.abstractmethod
     def stream_context(self, stream: Stream) -> ContextManager[Any]:
-        """Make ``stream`` current inside the ``with`` block."""
+        """Make ``stream`` current (on its device) inside the ``with`` block."""
         ...
 
     def record_event(self, stream: Stream) -> Event:

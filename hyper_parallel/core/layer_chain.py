@@ -58,12 +58,16 @@ class _ChainHook:
         b = self.chain._m.backend
         if b.in_backward():  # a recomputation re-runs forward: not a new forward
             return
+        # The manager's lock: autograd threads (one per device) may call in at once.
         if not self.post:
-            self.chain.forward_start(module)
+            with self.chain._m._locked():
+                self.chain.forward_start(module)
             return
         # Also called when forward raised, to restore the current group.
         failed = sys.exc_info()[0] is not None or not b.grad_recording()
-        if self.chain.forward_end(module, failed):
+        with self.chain._m._locked():
+            armed = self.chain.forward_end(module, failed)
+        if armed:
             self.chain._arm_backward_start(module, output)
 
     def __deepcopy__(self, memo: dict) -> "_ChainHook":
@@ -201,7 +205,8 @@ class LayerChain:
             module = ref()
             if not fired[0] and module is not None:
                 fired[0] = True
-                self.backward_start(module)
+                with self._m._locked():
+                    self.backward_start(module)
 
         for t in outs:
             b.register_grad_hook(t, on_grad)

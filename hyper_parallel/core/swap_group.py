@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import defaultdict
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 from .backend import Backend
 from .keep_reason import KeepReason
@@ -14,8 +14,21 @@ from .swap_tensor import SwapTensor, TensorState
 __all__ = ["SwapGroup", "GroupStats"]
 
 
+def _by_device(tensors: List[SwapTensor]) -> Dict[Any, List[SwapTensor]]:
+    """``tensors`` grouped by their device, in order (streams and events are per device)."""
+    out: Dict[Any, List[SwapTensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
 class GroupStats:
-    """Counters of one group (cumulative until ``SwapManager().reset()``)."""
+    """Counters of one group (cumulative until ``SwapManager().reset()``).
+
+    ``wait_offload_s`` / ``wait_load_s`` are host seconds spent in the wait calls: issuing the
+    stream waits and the bookkeeping. On an accelerator the waits are asynchronous, so they do not
+    include the time the device stream stalls for a copy (measure that in a profiler trace: the
+    ``hyper_parallel.wait_*`` ranges against the ``Memcpy`` kernels)."""
 
     __slots__ = ("offloaded_bytes", "loaded_bytes", "kept_bytes", "wait_offload_s", "wait_load_s",
                  "offload_launches", "load_launches")
@@ -63,6 +76,12 @@ class SwapGroup:
     to the sources, which frees their device memory (unless somebody else holds it).
     ``launch_load`` allocates the destinations for the compute stream and copies back on the copy
     stream; ``wait_load`` makes compute wait for the copies. Waiting without launching is an error.
+
+    Streams belong to a device: storages are moved per device (``SwapTensor.device``), each on
+    that device's copy stream (``copy_streams(device)``), ordered with that device's current
+    stream. Each ordering point is one ``_order_*`` method (the stream-ordering table of
+    ``docs/architecture.md``). A launch that fails part-way leaves every copy it issued with its
+    event (so it can be waited) and every other tensor where it was.
     """
 
     def __init__(self, name: str, backend: Backend, stats: GroupStats, persistent: bool = False) -> None:
@@ -92,7 +111,7 @@ class SwapGroup:
         if self.offload_pending:
             self.wait_offload()
         if self.has_state(TensorState.HOST) or self.has_state(TensorState.D2H):
-            self.launch_load(None)
+            self.launch_load(lambda device: None)  # copies on the compute stream, in its order
         if self.load_pending:
             self.wait_load()
 
@@ -117,35 +136,71 @@ class SwapGroup:
         self._load_events.clear()
         self.offload_pending = self.load_pending = False
 
-    # ------------------------------------------------------------------ offload
-    def launch_offload(self, copy_stream: Any) -> None:
-        with self._b.trace_range(f"hyper_parallel.launch_offload[{self.name}]"):
-            self._launch_offload(copy_stream)
+    # ------------------------------------------------------------------ ordering points
+    def _order_d2h_after_producers(self, copy_stream: Any, device: Any, tensors: List[SwapTensor]) -> None:
+        """The copy stream must not read a tensor before compute has finished writing it: it waits
+        the current stream and every other stream the tensors were produced on."""
+        p = self._b
+        streams = [p.current_stream(device)]
+        for t in tensors:
+            for s in t.producers:
+                if not any(s == known for known in streams):
+                    streams.append(s)
+        for s in streams:
+            p.wait_event(copy_stream, p.record_event(s))
 
-    def _launch_offload(self, copy_stream: Any) -> None:
+    def _order_release_after_d2h(self, device: Any, event: Any) -> None:
+        """Compute waits the D2H before the sources are released (their blocks go back to the
+        compute stream's pool at once)."""
+        self._b.wait_event(self._b.current_stream(device), event)
+
+    def _order_h2d_after_allocation(self, copy_stream: Any, device: Any) -> None:
+        """The allocator may hand the destinations memory that pending compute work still uses:
+        the copy stream waits compute after they are allocated."""
+        p = self._b
+        p.wait_event(copy_stream, p.record_event(p.current_stream(device)))
+
+    def _order_use_after_h2d(self, device: Any, event: Any) -> None:
+        """Compute waits the H2D before it uses the reloaded tensors."""
+        self._b.wait_event(self._b.current_stream(device), event)
+
+    # ------------------------------------------------------------------ offload
+    def launch_offload(self, copy_streams: Callable[[Any], Any]) -> None:
+        """``copy_streams(device)``: the copy stream to use for the storages of ``device``."""
+        with self._b.trace_range(f"hyper_parallel.launch_offload[{self.name}]"):
+            self._launch_offload(copy_streams)
+
+    def _launch_offload(self, copy_streams: Callable[[Any], Any]) -> None:
         p = self._b
         todo = [t for t in self._tensors(TensorState.DEVICE) if t.kept_reason is None]
-        # The copy stream must not read a tensor before compute has finished writing it.
-        p.wait_event(copy_stream, p.record_event(p.current_stream()))
-        started = []
-        with p.stream_context(copy_stream):
-            for t in todo:
-                skipped_before = t.shared_skips
-                reason = t.async_offload(copy_stream)
-                if reason is None:
-                    started.append(t)
-                    if skipped_before:  # it was counted as kept 'shared' by an earlier launch
-                        self.stats.keep(KeepReason.SHARED, -t.nbytes)
-                elif reason is not KeepReason.SHARED or not skipped_before:  # count each storage once
-                    self.stats.keep(reason, t.nbytes)
-        event = p.record_event(copy_stream)
-        for t in started:
-            t.set_copy_event(event)
-            self.stats.offloaded_bytes += t.nbytes
-        self._offload_events.append(event)
+        try:
+            for device, tensors in _by_device(todo).items():
+                copy_stream = copy_streams(device)
+                self._order_d2h_after_producers(copy_stream, device, tensors)
+                started: List[SwapTensor] = []
+                try:
+                    with p.stream_context(copy_stream):
+                        for t in tensors:
+                            skipped_before = t.shared_skips
+                            reason = t.async_offload(copy_stream)
+                            if reason is None:
+                                started.append(t)
+                                if skipped_before:  # it was counted as kept 'shared' by an earlier launch
+                                    self.stats.keep(KeepReason.SHARED, -t.nbytes)
+                            elif reason is not KeepReason.SHARED or not skipped_before:  # count each storage once
+                                self.stats.keep(reason, t.nbytes)
+                finally:
+                    if started:  # even if a later tensor failed: these copies are queued
+                        event = p.record_event(copy_stream)
+                        for t in started:
+                            t.set_copy_event(event)
+                            self.stats.offloaded_bytes += t.nbytes
+                        self._offload_events.append((device, event))
+                        self.offload_pending = True
+        finally:
+            self.stats.offload_launches += 1
         self.offload_pending = True
         self.offload_cancelled = False
-        self.stats.offload_launches += 1
 
     def wait_offload(self) -> None:
         if not self.offload_pending and self.offload_cancelled:
@@ -160,20 +215,24 @@ class SwapGroup:
                 f"call SwapManager().launch_offload('{self.name}') first.")
         t0 = time.perf_counter()
         with self._b.trace_range(f"hyper_parallel.wait_offload[{self.name}]"):
-            for event in self._offload_events:
-                self._b.wait_event(self._b.current_stream(), event)
+            for device, event in self._offload_events:
+                self._order_release_after_d2h(device, event)
+            waiters: Dict[Any, Any] = {}
             for t in self._tensors(TensorState.D2H):
-                t.wait_offload()
+                if t.device not in waiters:
+                    waiters[t.device] = self._b.current_stream(t.device)
+                t.wait_offload(waiters[t.device])
         self._offload_events.clear()
         self.offload_pending = False
         self.stats.wait_offload_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ load
-    def launch_load(self, copy_stream: Any) -> None:
+    def launch_load(self, copy_streams: Callable[[Any], Any]) -> None:
+        """``copy_streams(device)``: the copy stream to use for the storages of ``device``."""
         with self._b.trace_range(f"hyper_parallel.launch_load[{self.name}]"):
-            self._launch_load(copy_stream)
+            self._launch_load(copy_streams)
 
-    def _launch_load(self, copy_stream: Any) -> None:
+    def _launch_load(self, copy_streams: Callable[[Any], Any]) -> None:
         p = self._b
         # Offloads that were launched but never waited are cancelled: their sources are intact.
         for t in self._tensors(TensorState.D2H):
@@ -182,20 +241,35 @@ class SwapGroup:
             self.offload_cancelled = self.offload_pending
             self._offload_events.clear()
             self.offload_pending = False
-        # Destinations are allocated here, on the compute stream that will use and free them.
-        started = [t for t in self._tensors(TensorState.HOST) if t.async_load()]
-        # The allocator may hand us memory that pending compute work still uses: order after it.
-        p.wait_event(copy_stream, p.record_event(p.current_stream()))
-        with p.stream_context(copy_stream):
-            for t in started:
-                t.copy_in(copy_stream)
-        event = p.record_event(copy_stream)
-        for t in started:
-            t.set_copy_event(event)
-            self.stats.loaded_bytes += t.nbytes
-        self._load_events.append(event)
+        try:
+            for device, tensors in _by_device(self._tensors(TensorState.HOST)).items():
+                copy_stream = copy_streams(device)
+                allocated: List[SwapTensor] = []
+                issued: List[SwapTensor] = []
+                try:
+                    # Destinations are allocated here, on the compute stream that will use and free them.
+                    for t in tensors:
+                        if t.async_load():
+                            allocated.append(t)
+                    self._order_h2d_after_allocation(copy_stream, device)
+                    with p.stream_context(copy_stream):
+                        for t in allocated:
+                            t.copy_in(copy_stream)
+                            issued.append(t)
+                finally:
+                    for t in allocated:
+                        if not t.load_issued:
+                            t.unload()  # a failure before its copy: back to the host
+                    if issued:
+                        event = p.record_event(copy_stream)
+                        for t in issued:
+                            t.set_copy_event(event)
+                            self.stats.loaded_bytes += t.nbytes
+                        self._load_events.append((device, event))
+                        self.load_pending = True
+        finally:
+            self.stats.load_launches += 1
         self.load_pending = True
-        self.stats.load_launches += 1
 
     def wait_load(self) -> None:
         if not self.load_pending:
@@ -204,10 +278,13 @@ class SwapGroup:
                 f"call SwapManager().launch_load('{self.name}') first.")
         t0 = time.perf_counter()
         with self._b.trace_range(f"hyper_parallel.wait_load[{self.name}]"):
-            for event in self._load_events:
-                self._b.wait_event(self._b.current_stream(), event)
+            for device, event in self._load_events:
+                self._order_use_after_h2d(device, event)
+            waiters: Dict[Any, Any] = {}
             for t in self._tensors(TensorState.H2D):
-                t.wait_load()
+                if t.device not in waiters:
+                    waiters[t.device] = self._b.current_stream(t.device)
+                t.wait_load(waiter=waiters[t.device])
         self._load_events.clear()
         self.load_pending = False
         self.stats.wait_load_s += time.perf_counter() - t0

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from .backend import Backend, active_backend
 from .host_pool import HostBufferPool
@@ -37,6 +38,11 @@ class SwapManager:
 
     If nothing ever launches an offload, swapped tensors simply stay on the device (= SAVE).
 
+    Thread safety: module and autograd hooks may call in from several threads (autograd runs one
+    thread per device); every public method holds the manager's re-entrant lock. Finalizers (a
+    region's graph dying, in any thread) never wait for it: what they would do is deferred to the
+    next call that holds it.
+
     Example (atomic API on one micro-batch)::
 
         >>> import torch
@@ -63,6 +69,8 @@ class SwapManager:
         return cls._instance
 
     def _init(self) -> None:
+        self.lock = threading.RLock()
+        self._deferred: List[str] = []  # groups whose last storage died while the lock was held
         self.backend: Backend = active_backend()
         self._groups: Dict[str, SwapGroup] = {}
         self._retired: "OrderedDict[str, None]" = OrderedDict()
@@ -73,9 +81,16 @@ class SwapManager:
         self._retired_groups = 0
         self._recent_retired: "OrderedDict[str, None]" = OrderedDict()
         self._current_group_name: Optional[str] = None
-        self._copy_stream: Any = None
+        self._copy_streams: Dict[Any, Any] = {}  # device -> the manager's copy stream there
         self._pool = HostBufferPool(self.backend)
         self._chain = LayerChain(self)  # cleared, never replaced: it may still receive hook calls
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self.lock:
+            while self._deferred:
+                self._forget_if_empty(self._deferred.pop())
+            yield
 
     # ------------------------------------------------------------------ groups
     def _group(self, name: str, create: bool = False, persistent: bool = False) -> SwapGroup:
@@ -96,11 +111,12 @@ class SwapManager:
     def new_storage(self, group_name: Optional[str] = None) -> Storage:
         """Create the :class:`Storage` of one region's forward in ``group_name`` (default: the
         current group) and register it there. Used by the wrappers; rarely needed directly."""
-        name = group_name or self._current_group_name or DEFAULT_GROUP
-        group = self._group(name, create=True)
-        storage = Storage(self.backend, self._pool, name, group.stats)
-        self.add_storage(name, storage)
-        return storage
+        with self._locked():
+            name = group_name or self._current_group_name or DEFAULT_GROUP
+            group = self._group(name, create=True)
+            storage = Storage(self.backend, self._pool, name, group.stats)
+            self.add_storage(name, storage)
+            return storage
 
     def add_storage(self, group_name: str, storage: Storage) -> None:
         """Add ``storage`` to group ``group_name`` (created if new). The group holds it weakly:
@@ -111,9 +127,22 @@ class SwapManager:
             raise TypeError(f"add_storage expects a swap Storage (as made by SwapManager().new_storage()), got "
                             f"{type(storage).__name__}; to swap a module's activations wrap it with swap_wrapper "
                             "or checkpoint_wrapper instead.")
-        group = self._group(group_name, create=True)
-        group.add(storage)
-        weakref.finalize(storage, self._forget_if_empty, group_name)
+        with self._locked():
+            group = self._group(group_name, create=True)
+            group.add(storage)
+            weakref.finalize(storage, self._forget_later, group_name)
+
+    def _forget_later(self, name: str) -> None:
+        """Finalizer of a storage: :meth:`_forget_if_empty` now if the lock is free (or held by
+        this thread), else at the next call that takes it (a finalizer must never block: the
+        thread holding the lock may be waiting for this one's)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self._forget_if_empty(name)
+            finally:
+                self.lock.release()
+        else:
+            self._deferred.append(name)
 
     def _forget_if_empty(self, name: str) -> None:
         """Called when a storage of group ``name`` dies (and after waits). A group whose storages
@@ -157,26 +186,30 @@ class SwapManager:
         if group_name is not None:
             if not isinstance(group_name, str) or not group_name:
                 raise TypeError(f"group name must be a non-empty str or None, got {group_name!r}")
-            self._group(group_name, create=True)
-        previous, self._current_group_name = self._current_group_name, group_name
-        if previous is not None and previous != group_name:
-            self._forget_if_empty(previous)
+        with self._locked():
+            if group_name is not None:
+                self._group(group_name, create=True)
+            previous, self._current_group_name = self._current_group_name, group_name
+            if previous is not None and previous != group_name:
+                self._forget_if_empty(previous)
 
     def discard_group(self, group_name: str) -> None:
         """Forget group ``group_name`` without moving anything (no-op if unknown): storages of it
         that are still alive stay where they are and give their host buffers back when they die.
         Used to clean up after an aborted step so the name is free for the next one."""
-        if self._groups.pop(group_name, None) is not None:
-            self._retire_stats(group_name)
-            if group_name == self._current_group_name:
-                self._current_group_name = None
+        with self._locked():
+            if self._groups.pop(group_name, None) is not None:
+                self._retire_stats(group_name)
+                if group_name == self._current_group_name:
+                    self._current_group_name = None
 
     def resident_swap_bytes(self, prefix: Optional[str] = None) -> int:
         """Bytes of swap candidates occupying device memory now (produced and not yet offloaded,
         in flight, or loaded back), over the groups whose name starts with ``prefix`` (all if
         ``None``). Tensors kept on the device for good (parameters, shared ones) are excluded."""
-        return sum(g.resident_swap_bytes() for name, g in list(self._groups.items())
-                   if prefix is None or name.startswith(prefix))
+        with self._locked():
+            return sum(g.resident_swap_bytes() for name, g in list(self._groups.items())
+                       if prefix is None or name.startswith(prefix))
 
     def get_current_group_name(self) -> Optional[str]:
         return self._current_group_name
@@ -186,41 +219,50 @@ class SwapManager:
         return sorted(self._groups)
 
     # ------------------------------------------------------------------ atomic API
-    def _stream(self, copy_stream: Any) -> Any:
+    def _copy_stream_for(self, device: Any) -> Any:
+        """The manager's copy stream on ``device`` (made on first use: streams belong to a device)."""
+        stream = self._copy_streams.get(device)
+        if stream is None:
+            stream = self._copy_streams[device] = self.backend.new_copy_stream(device)
+        return stream
+
+    def _streams(self, copy_stream: Any) -> Callable[[Any], Any]:
         if copy_stream is not None:
-            return copy_stream
-        if self._copy_stream is None:
-            self._copy_stream = self.backend.new_copy_stream()
-        return self._copy_stream
+            return lambda device: copy_stream
+        return self._copy_stream_for
 
     # A group forgotten because every storage of it died (see ``_forget_if_empty``) answers
     # these four calls with nothing to do.
     def launch_offload(self, group_name: str, copy_stream: Any = None) -> None:
         """Start copying group ``group_name``'s tensors to host memory on ``copy_stream`` (default:
-        the manager's copy stream). Returns at once on accelerators."""
-        group = self._live_group(group_name)
-        if group is not None:
-            group.launch_offload(self._stream(copy_stream))
+        the manager's copy stream of each tensor's device). Returns at once on accelerators."""
+        with self._locked():
+            group = self._live_group(group_name)
+            if group is not None:
+                group.launch_offload(self._streams(copy_stream))
 
     def wait_offload(self, group_name: str) -> None:
         """Make compute wait for the group's offload and release its device memory."""
-        group = self._live_group(group_name)
-        if group is not None:
-            group.wait_offload()
-            self._forget_if_empty(group_name)
+        with self._locked():
+            group = self._live_group(group_name)
+            if group is not None:
+                group.wait_offload()
+                self._forget_if_empty(group_name)
 
     def launch_load(self, group_name: str, copy_stream: Any = None) -> None:
         """Start copying group ``group_name``'s offloaded tensors back to the device."""
-        group = self._live_group(group_name)
-        if group is not None:
-            group.launch_load(self._stream(copy_stream))
+        with self._locked():
+            group = self._live_group(group_name)
+            if group is not None:
+                group.launch_load(self._streams(copy_stream))
 
     def wait_load(self, group_name: str) -> None:
         """Make compute wait for the group's load; its tensors are usable afterwards."""
-        group = self._live_group(group_name)
-        if group is not None:
-            group.wait_load()
-            self._forget_if_empty(group_name)
+        with self._locked():
+            group = self._live_group(group_name)
+            if group is not None:
+                group.wait_load()
+                self._forget_if_empty(group_name)
 
     # ------------------------------------------------------------------ layer chain
     def set_forward_prefetch_layer(self, first_layer: Any, second_layer: Any) -> None:
@@ -236,7 +278,8 @@ class SwapManager:
             >>> for i in range(len(model.layers) - 1):  # doctest: +SKIP
             ...     SwapManager().set_forward_prefetch_layer(model.layers[i], model.layers[i + 1])
         """
-        self._chain.link(first_layer, second_layer)
+        with self._locked():
+            self._chain.link(first_layer, second_layer)
 
     def layer_group_name(self, layer: Any) -> Optional[str]:
         """The group name the layer chain gave ``layer`` (``None`` if not chained)."""
@@ -251,11 +294,15 @@ class SwapManager:
                             f"({type(limit_bytes).__name__}); e.g. set_host_memory_limit(8 << 30) for 8 GiB.")
         if limit_bytes is not None and limit_bytes < 0:
             raise ValueError(f"host memory limit must be >= 0 or None, got {limit_bytes}")
-        self._pool.limit_bytes = limit_bytes
+        with self._locked():
+            self._pool.limit_bytes = limit_bytes
 
     def release_host_cache(self) -> int:
-        """Free the pooled host buffers that no tensor uses now; returns the bytes released."""
-        return self._pool.release_idle()
+        """Free the pooled host buffers that no tensor uses now and return them to the OS (the
+        framework's host allocator cache is emptied too); returns the bytes released, as the
+        host allocator reserved them (rounded up, see ``core/host_pool.py``)."""
+        with self._locked():
+            return self._pool.release_idle()
 
     def stats(self) -> Dict[str, Any]:
         """Bytes offloaded, loaded and kept on the device (by reason), and seconds the host spent
@@ -285,17 +332,18 @@ class SwapManager:
         pooled host buffers and the host memory limit. For tests, tools and recovery after a failed step. Tensors of regions
         still alive are first brought back to the device (synchronously), so such a region's
         backward still works, as with SAVE."""
-        for group in list(self._groups.values()):
-            group.settle()
-        self._chain.clear()
-        self._groups.clear()
-        self._retired.clear()
-        self._stats.clear()
-        self._retired_stats = GroupStats()
-        self._retired_groups = 0
-        self._recent_retired.clear()
-        self._current_group_name = None
-        self._copy_stream = None
-        # The backend is read again: a test or tool may have switched it (core.backend.use_backend).
-        self.backend = active_backend()
-        self._pool = HostBufferPool(self.backend)  # the host limit goes back to "none" too
+        with self._locked():
+            for group in list(self._groups.values()):
+                group.settle()
+            self._chain.clear()
+            self._groups.clear()
+            self._retired.clear()
+            self._stats.clear()
+            self._retired_stats = GroupStats()
+            self._retired_groups = 0
+            self._recent_retired.clear()
+            self._current_group_name = None
+            self._copy_streams = {}
+            # The backend is read again: a test or tool may have switched it (core.backend.use_backend).
+            self.backend = active_backend()
+            self._pool = HostBufferPool(self.backend)  # the host limit goes back to "none" too

@@ -11,6 +11,14 @@ States::
 ``get_val`` is legal in ``device`` (and in ``d2h``, where the source is still intact on the
 device); anywhere else it raises. Memory is never freed by force: the swap system only drops its
 own references, so a storage that somebody else still holds stays valid.
+
+Stream ordering (the table in ``docs/architecture.md``): the group orders the copies with events;
+this class adds what depends on one storage. ``record_stream`` (``Backend.mark_used_by``) is
+called only where a block would otherwise be freed while another stream's access may still be in
+flight: a source produced on another stream than the one that waits its offload, a cancelled
+offload's source, a reloaded storage read on another stream than its allocation stream, and a
+storage that dies while its copy is in flight. Each of these is one method (``_protect``,
+``_order_use_after_load``) so that a test can remove it and show the simulated device catching it.
 """
 
 from __future__ import annotations
@@ -55,8 +63,25 @@ class SwapTensor:
         self._host_guard: Any = None  # offload event: the host buffer is written until it fires
         self.kept_reason: Optional[KeepReason] = None  # set once the storage stays on the device for good
         self.shared_skips = 0  # launches that skipped it because somebody else held it
+        #: the device whose streams order this storage's copies (``Backend.device_key``)
+        self.device = backend.device_key(self._metas[0])
+        # Streams current when the aliases were saved (their producers): the copy stream waits
+        # them all, and the source's release is protected when one of them is not the stream
+        # that waits the offload.
+        self.producers: List[Any] = []
+        self._note_producer()
+        self._copy_stream: Any = None  # the copy stream of the copy in flight (or last issued)
+        self._dev_stream: Any = None   # the stream that allocated ``_dev`` (the block's owner)
+        self._load_event: Any = None   # the event after the H2D copy into ``_dev``
+        self._ready: List[Any] = []    # streams known to be ordered after ``_load_event``
+        self._load_issued = False      # in state h2d: the copy was issued (not only the allocation)
 
     # ----------------------------------------------------------------- bookkeeping
+    def _note_producer(self) -> None:
+        stream = self._b.current_stream(self.device)
+        if stream is not None and not any(stream == s for s in self.producers):
+            self.producers.append(stream)
+
     @property
     def state(self) -> TensorState:
         return self._state
@@ -94,6 +119,7 @@ class SwapTensor:
         self._aliases.append(alias)
         self._versions.append(self._b.version(alias))
         self._metas.append(self._b.view_meta(alias))
+        self._note_producer()
         return len(self._aliases) - 1
 
     def _mutation(self) -> Optional[str]:
@@ -118,6 +144,10 @@ class SwapTensor:
                 if problem:
                     raise RuntimeError(problem)
                 return self._aliases[index]
+            if self._load_event is not None:
+                stream = self._b.current_stream(self.device)
+                if stream is not None and not any(stream == s for s in self._ready):
+                    self._order_use_after_load(stream)
             return self._b.rebuild_view(self._dev, self._metas[index])
         if state is TensorState.D2H:
             # The copy only reads the source, which stays intact until wait_offload.
@@ -134,8 +164,9 @@ class SwapTensor:
 
     # ----------------------------------------------------------------- offload
     def async_offload(self, copy_stream: Any) -> Optional[KeepReason]:
-        """Start the D2H copy on ``copy_stream``. Returns ``None`` when the copy started, or the
-        reason the storage stays on the device (it is then kept for good, as with SAVE)."""
+        """Start the D2H copy on ``copy_stream`` (current). Returns ``None`` when the copy started,
+        or the reason the storage stays on the device (it is then kept for good, as with SAVE).
+        If the copy raises, the host buffer goes back to the pool and the state is unchanged."""
         if self._state is not TensorState.DEVICE:
             raise RuntimeError(f"swap group '{self.group_name}': offload of a tensor in state "
                                f"'{self._state.value}'; only tensors on the device can be offloaded.")
@@ -155,9 +186,15 @@ class SwapTensor:
         host = self._pool.acquire(self.nbytes, copy_stream)
         if host is None:
             return self._keep(KeepReason.HOST_LIMIT)
-        self._host = host
-        self._src = self._b.byte_view(self._aliases[0])
-        self._b.copy_bytes(host, self._src)
+        src = self._b.byte_view(self._aliases[0])
+        try:
+            self._b.copy_bytes(host, src)
+        except BaseException:
+            # Nothing of ours is in flight; guard the buffer with the copy stream anyway, in case
+            # the framework queued part of the copy before failing.
+            self._pool.release(host, self.nbytes, self._b.record_event(copy_stream))
+            raise
+        self._host, self._src, self._copy_stream = host, src, copy_stream
         self._aliases = None
         self._state = TensorState.D2H
         return None
@@ -166,23 +203,30 @@ class SwapTensor:
         self.kept_reason = reason
         return reason
 
-    def wait_offload(self) -> None:
-        """The group's offload event has been waited: drop our reference to the source."""
+    def wait_offload(self, waiter: Any = None) -> None:
+        """The group's offload event has been waited on stream ``waiter``: drop our reference to
+        the source. The allocator may hand its block to a new tensor of the block's stream at
+        once; if the source was produced on another stream than ``waiter`` (a side stream), that
+        stream is not ordered after the D2H, so the block is protected until the copy is done."""
         if self._state is not TensorState.D2H:
             raise RuntimeError(
                 f"swap group '{self.group_name}': wait_offload on a tensor in state "
                 f"'{self._state.value}'; call launch_offload first.")
+        if waiter is not None and any(not (p == waiter) for p in self.producers):
+            self._protect(self._src, self._copy_stream)
         self._src = None  # the device storage is freed here unless somebody else holds it
         self._state = TensorState.HOST
 
     # ----------------------------------------------------------------- load
     def async_load(self) -> bool:
-        """Start the H2D copy. A tensor whose offload was never waited is simply kept (its
-        source is still on the device); returns ``True`` when a copy was issued."""
+        """Allocate the H2D destination (on the current compute stream, which will use and free
+        it); :meth:`copy_in` issues the copy. A tensor whose offload was never waited is simply
+        kept (its source is still on the device); returns ``True`` when a copy is to be issued."""
         if self._state is TensorState.D2H:
-            # Cancel: the source is intact; keep it and give the host buffer back once the
-            # D2H copy that writes it is done.
-            self._b.wait_event(self._b.current_stream(), self._host_guard)
+            # Cancel: the source is intact; keep it. Compute does not wait for the D2H (it only
+            # reads the source, as the copy does); the block is protected until the copy is
+            # done, and the host buffer goes back to the pool guarded by the D2H event.
+            self._protect(self._src, self._copy_stream)
             self._dev, self._src = self._src, None
             self._release_host(self._host_guard)
             self._state = TensorState.DEVICE
@@ -192,24 +236,61 @@ class SwapTensor:
                 f"swap group '{self.group_name}': launch_load on a tensor in state '{self._state.value}'.")
         # The destination is allocated by the compute stream (the stream that will use and free
         # it); the caller made the copy stream wait for compute after these allocations.
+        self._dev_stream = self._b.current_stream(self.device)
         self._dev = self._b.empty_device_bytes(self.nbytes, self._metas[0])
+        self._load_event = None
+        self._load_issued = False
         self._state = TensorState.H2D
         return True
 
     def copy_in(self, copy_stream: Any) -> None:
-        """Issue the H2D copy (called inside the copy-stream context). The destination is also
-        marked as used by the copy stream: if the region dies before ``wait_load`` (an abandoned
-        step), the allocator must not hand the block to compute while the copy still writes it."""
+        """Issue the H2D copy (called inside the copy-stream context). No ``record_stream`` here:
+        compute waits the copy before it uses or frees the destination; only a storage that dies
+        before that is protected (``__del__``)."""
         self._b.copy_bytes(self._dev, self._host)
-        self._b.mark_used_by(self._dev, copy_stream)
+        self._copy_stream = copy_stream
+        self._load_issued = True
 
-    def wait_load(self) -> None:
+    def unload(self) -> None:
+        """Undo :meth:`async_load` for a tensor whose copy was never issued (a launch failed
+        before reaching it): back to the host, the destination dropped."""
+        if self._state is TensorState.H2D and not self._load_issued:
+            self._dev = self._dev_stream = None
+            self._state = TensorState.HOST
+
+    @property
+    def load_issued(self) -> bool:
+        return self._state is TensorState.H2D and self._load_issued
+
+    def wait_load(self, event: Any = None, waiter: Any = None) -> None:
+        """The load ``event`` has been waited on stream ``waiter``."""
         if self._state is not TensorState.H2D:
             raise RuntimeError(
                 f"swap group '{self.group_name}': wait_load on a tensor in state "
                 f"'{self._state.value}'; call launch_load first.")
         self._release_host(self._host_guard)  # guard = the load event: the H2D reads the buffer
+        self._load_event = event if event is not None else self._host_guard
+        self._ready = [waiter] if waiter is not None else []
+        if waiter is not None and self._dev_stream is not None and not (waiter == self._dev_stream):
+            # The block belongs to the allocating stream, which never waited the load: keep it
+            # until the waiter (ordered after the copy) is done with it.
+            self._protect(self._dev, waiter)
         self._state = TensorState.DEVICE
+
+    def _order_use_after_load(self, stream: Any) -> None:
+        """Ordering point: a consumer on ``stream`` (the stream current when autograd unpacks the
+        tensor, e.g. a backward node replayed on its forward's stream) waits for the H2D copy; and
+        if ``stream`` does not own the block, the block is kept until its work is done."""
+        self._b.wait_event(stream, self._load_event)
+        if self._dev_stream is not None and not (stream == self._dev_stream):
+            self._protect(self._dev, stream)
+        self._ready.append(stream)
+
+    def _protect(self, tensor: Any, stream: Any) -> None:
+        """Ordering point: ``record_stream`` -- the allocator must not reuse ``tensor``'s block
+        before the work queued on ``stream`` so far is done."""
+        if tensor is not None and stream is not None:
+            self._b.mark_used_by(tensor, stream)
 
     def _release_host(self, guard: Any) -> None:
         if self._host is not None:
@@ -222,8 +303,13 @@ class SwapTensor:
 
     def __del__(self) -> None:
         # The region's graph died (forward without backward, or backward done): return the host
-        # buffer to the pool, guarded by the copy that may still be writing it.
+        # buffer to the pool, guarded by the copy that may still be writing it; a device block
+        # that a copy in flight still reads (D2H) or writes (H2D) is protected from reuse.
         try:
+            if self._state is TensorState.D2H:
+                self._protect(self._src, self._copy_stream)
+            elif self._state is TensorState.H2D:
+                self._protect(self._dev, self._copy_stream)
             self._release_host(self._host_guard)
         except Exception:  # interpreter shutdown: the pool may be gone already
             pass

@@ -284,10 +284,23 @@ class MindSporeBackend(Backend):
             record(stream)
 
     # ------------------------------------------------------------------ streams and events
-    def current_stream(self) -> Any:
+    def host_alloc_size(self, nbytes: int) -> int:
+        # MindSpore documents no rounding of pinned host requests: count them as asked.
+        return nbytes
+
+    def empty_host_cache(self) -> None:
+        # MindSpore documents no cache of pinned host memory: freed buffers go back at once.
+        return None
+
+    # A MindSpore process drives one device (``set_device``), so every tensor's streams are the
+    # current device's: ``device_key`` is ``None`` and ``device`` is always the current one.
+    def device_key(self, meta: ViewMeta) -> Any:
+        return None
+
+    def current_stream(self, device: Any = None) -> Any:
         return ms.runtime.current_stream() if self.accelerator is not None else None
 
-    def new_copy_stream(self) -> Any:
+    def new_copy_stream(self, device: Any = None) -> Any:
         return ms.runtime.Stream() if self.accelerator is not None else None
 
     def stream_context(self, stream: Any) -> Any:

@@ -15,7 +15,8 @@ except ImportError:  # a build without torch.distributed
 
 __all__ = ["storage_key", "version", "storage_use_count", "in_backward", "detach_keeping_version", "pipeline_stages",
            "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class", "innermost_saved_tensors_hooks",
-           "functional_collective", "is_compiled_module"]
+           "functional_collective", "is_compiled_module",
+           "pinned_alloc_size", "empty_host_cache"]
 
 # Namespaces of PyTorch's functional collectives (and their waits): ops that communicate.
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
@@ -118,3 +119,21 @@ def functional_collective(op: Any) -> Any:
     if name in _NOT_COMMUNICATING:
         return None
     return "wait" if name == "wait_tensor" else "collective"
+
+
+def pinned_alloc_size(nbytes: int) -> int:
+    """Bytes PyTorch's caching host allocator reserves for a pinned request of ``nbytes``: it rounds
+    every request up to the next power of two (``c10::llvm::PowerOf2Ceil`` in
+    ``CachingHostAllocator.h``; no public API says so)."""
+    return 1 if nbytes <= 1 else 1 << (nbytes - 1).bit_length()
+
+
+def empty_host_cache() -> None:
+    """Return the pinned blocks the caching host allocator keeps to the OS
+    (``torch.accelerator.empty_host_cache``, public from PyTorch 2.9; older builds only have the
+    private binding, and some none)."""
+    fn = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if fn is None:
+        fn = getattr(torch._C, "_host_emptyCache", None)
+    if fn is not None:
+        fn()

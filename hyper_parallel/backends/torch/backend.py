@@ -293,6 +293,16 @@ class TorchBackend(Backend):
         # Pinned memory makes D2H/H2D truly asynchronous; a CPU-only build has none.
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.accelerator is not None)
 
+    def host_alloc_size(self, nbytes: int) -> int:
+        # PyTorch's caching host allocator reserves the next power of two for a pinned request
+        # (unless PYTORCH_CUDA_ALLOC_CONF sets pinned_max_round_threshold below it: then this
+        # over-counts, which keeps a host cap safe). Plain host memory is not rounded.
+        return _shim.pinned_alloc_size(nbytes) if self.accelerator is not None else nbytes
+
+    def empty_host_cache(self) -> None:
+        if self.accelerator is not None:
+            _shim.empty_host_cache()
+
     def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
 
@@ -301,11 +311,18 @@ class TorchBackend(Backend):
             t.record_stream(stream)
 
     # ------------------------------------------------------------------ streams and events
-    def current_stream(self) -> Any:
-        return self._dm.current_stream() if self._dm is not None else None
+    def device_key(self, meta: ViewMeta) -> Any:
+        # Streams and events belong to one device: a model moved to cuda:1 without
+        # torch.cuda.set_device(1) computes on cuda:1's current stream, not the current device's.
+        return meta.device if meta.device.type != "cpu" else None
 
-    def new_copy_stream(self) -> Any:
-        return self._dm.Stream() if self._dm is not None else None
+    def current_stream(self, device: Any = None) -> Any:
+        return self._dm.current_stream(device) if self._dm is not None else None
+
+    def new_copy_stream(self, device: Any = None) -> Any:
+        if self._dm is None:
+            return None
+        return self._dm.Stream(device=device) if device is not None else self._dm.Stream()
 
     def stream_context(self, stream: Any) -> Any:
         if stream is None or self._dm is None:
