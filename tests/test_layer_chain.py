@@ -68,10 +68,13 @@ def test_call_order(kind):
     """Item 6: forward launches layer i's offload, then waits layer i-1's (and retries what layer
     i-1's launch skipped because the caller still held it); backward launches the
     predecessor's load, then waits its own. Checkpointed layers (whose recompute re-runs their
-    forward) give exactly the same calls: the hooks do not fire during recompute."""
+    forward) give exactly the same calls: the hooks do not fire during recompute. (The RFC's
+    schedule, which is the default on a device with a copy stream; on CPU it is chosen with
+    set_prefetch_budget(None), see test_load_schedule.py for the CPU default.)"""
     net = _net(kind, dropout=0.1)
     x = make_input(net)
     mgr = SwapManager()
+    mgr.set_prefetch_budget(None)
     assert [mgr.layer_group_name(layer) for layer in net.layers] == [f"layer_{i}" for i in range(N_LAYERS)]
     with ManagerSpy() as spy:
         torch.manual_seed(0)
@@ -174,6 +177,7 @@ def test_unchained_layer_has_no_group_name():
 def test_registration_is_idempotent():
     net = _net("swap_wrapper")
     mgr = SwapManager()
+    mgr.set_prefetch_budget(None)  # the RFC's call order
     names = mgr.group_names()
     hooks = [(len(l._forward_pre_hooks), len(l._forward_hooks)) for l in net.layers]
     assert hooks == [(1, 1)] * N_LAYERS

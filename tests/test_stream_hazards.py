@@ -23,7 +23,7 @@ sim_only = pytest.mark.sim_only
 
 
 def _group_tensors(name):
-    return [t for s in list(SwapManager()._group(name)._storages) for t in s.swap_tensors()]
+    return [t for s in SwapManager()._group(name).storages() for t in s.swap_tensors()]
 
 
 # ------------------------------------------------------------------------------ 1. side-stream producer

@@ -272,9 +272,10 @@ def test_empty_group_round_trip_is_harmless(fresh_manager):
 # ------------------------------------------------------------------------------ stats, pool
 def test_stats_totals_are_sums_of_groups(fresh_manager):
     mgr = fresh_manager
+    views = []  # what autograd would hold: a storage nobody holds a view of is released
     for name, n in (("a", 8), ("b", 16)):
         storage = mgr.new_storage(name)
-        storage.add_swap(_fresh(n))
+        views.append(storage.add_swap(_fresh(n)))
         storage.add_save(100, "policy_save")
         round_trip(name)
     s = mgr.stats()
@@ -313,11 +314,11 @@ def test_host_buffers_are_pooled_and_not_counted_as_device_memory(fresh_manager)
 def test_host_buffer_returned_when_graph_dies_while_offloaded(fresh_manager):
     mgr = fresh_manager
     storage = mgr.new_storage("g")
-    storage.add_swap(_fresh())
+    view = storage.add_swap(_fresh())
     mgr.launch_offload("g")
     mgr.wait_offload("g")
     assert mgr.stats()["host_pool"]["in_use_bytes"] == 16 * 16 * 4
-    del storage
+    del storage, view
     gc.collect()
     assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
 

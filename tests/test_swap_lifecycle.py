@@ -75,10 +75,13 @@ class _Meter:
 
 def _launches_per_forward(net) -> int:
     """Offload launches of the layer chain in one forward: every layer but the last launches its
-    own group, and every layer but the first and the last relaunches its predecessor for the input
-    the caller still held at the first launch."""
+    own group (the last one too where copies are synchronous and offloads are waited at once:
+    the CPU default), and every layer but the first and the last relaunches its predecessor for
+    the input the caller still held at the first launch."""
     n = len(net.layers)
-    return (n - 1) + (n - 2)
+    mgr = SwapManager()
+    last = 1 if (not mgr.copies_overlap() and mgr.prefetch_budget() == 0) else 0
+    return (n - 1) + last + (n - 2)
 
 
 # ------------------------------------------------------------------------------ scenarios

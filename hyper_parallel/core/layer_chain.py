@@ -24,8 +24,23 @@ from .swap_tensor import TensorState
 __all__ = ["LayerChain"]
 
 
+class _Forward:
+    """The storages one forward call of a chained layer saved, and the record of the predecessor's
+    forward that fed it. Its backward loads exactly these (several forwards of a layer may wait for
+    their backward: gradient accumulation, micro-batches) and prefetches the predecessor's."""
+
+    __slots__ = ("storages", "prev", "__weakref__")
+
+    def __init__(self, prev: Optional["_Forward"]) -> None:
+        self.storages: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.prev = weakref.ref(prev) if prev is not None else None
+
+    def live(self) -> List[Any]:
+        return list(self.storages)
+
+
 class _Link:
-    __slots__ = ("name", "prev", "next", "saved_group_names", "handles", "hooks")
+    __slots__ = ("name", "prev", "next", "saved_group_names", "handles", "hooks", "forwards", "last_forward")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -34,6 +49,8 @@ class _Link:
         self.saved_group_names: List[Optional[str]] = []
         self.handles: List[Any] = []  # removable handles of the hooks we installed (not of copied ones)
         self.hooks: List["_ChainHook"] = []
+        self.forwards: List[_Forward] = []  # forward calls running now (nested calls stack up)
+        self.last_forward: Optional[_Forward] = None  # the last finished one: what the next layer's feeds on
 
 
 class _ChainHook:
@@ -68,7 +85,7 @@ class _ChainHook:
         with self.chain._m._locked():
             armed = self.chain.forward_end(module, failed)
         if armed:
-            self.chain._arm_backward_start(module, output)
+            self.chain._arm_backward_start(module, output, self.chain._links[module].last_forward)
 
     def __deepcopy__(self, memo: dict) -> "_ChainHook":
         original = self.layer()
@@ -191,9 +208,9 @@ class LayerChain:
             self._links[succ].prev = weakref.ref(copy)
             link.next = weakref.ref(succ)
 
-    def _arm_backward_start(self, layer: Any, output: Any) -> None:
-        """Call ``backward_start(layer)`` once, when the gradient of the layer's output is ready,
-        i.e. just before the layer's own backward starts."""
+    def _arm_backward_start(self, layer: Any, output: Any, forward: Optional[_Forward]) -> None:
+        """Call ``backward_start(layer, forward)`` once, when the gradient of the layer's output is
+        ready, i.e. just before the layer's own backward starts."""
         b = self._m.backend
         outs = [t for t in b.tree_leaves(output) if b.is_tensor(t) and b.requires_grad(t)]
         if not outs:
@@ -206,7 +223,7 @@ class LayerChain:
             if not fired[0] and module is not None:
                 fired[0] = True
                 with self._m._locked():
-                    self.backward_start(module)
+                    self.backward_start(module, forward)
 
         for t in outs:
             b.register_grad_hook(t, on_grad)
@@ -221,6 +238,11 @@ class LayerChain:
                 "its own chain), or chain the copied layers with wrap_layers / set_forward_prefetch_layer.")
         link.saved_group_names.append(self._m.get_current_group_name())
         self._m.set_current_group_name(link.name)
+        prev = self._alive(link.prev)
+        fed_by = self._links[prev].last_forward if prev is not None and prev in self._links else None
+        record = _Forward(fed_by)
+        link.forwards.append(record)
+        self._m._forward_records.append(record.storages)
 
     def forward_end(self, layer: Any, failed: bool) -> bool:
         """Returns whether the backward-start hook should be armed on the outputs."""
@@ -228,11 +250,21 @@ class LayerChain:
         if link is None or not link.saved_group_names:
             return False  # our pre-hook never ran (an earlier pre-hook raised): nothing to undo
         self._m.set_current_group_name(link.saved_group_names.pop())
+        self._m._forward_records.pop()
+        record = link.forwards.pop()
         if failed:
             return False
+        link.last_forward = record
         has_next = link.next is not None and link.next() is not None
-        if has_next:
+        at_once = self._m._waits_offload_at_once()
+        if has_next or at_once:
             self._m.launch_offload(link.name)
+            if at_once:
+                # Copies are synchronous (no copy stream): waiting now loses no overlap and frees
+                # this layer's device memory one layer earlier; for the same reason the last layer
+                # is offloaded too (its backward loads it on demand), so the head's forward and
+                # backward do not run next to it.
+                self._m.wait_offload(link.name)
         prev = link.prev() if link.prev is not None else None
         if prev is not None:
             prev_link = self._links[prev]
@@ -252,20 +284,25 @@ class LayerChain:
                     self._m.wait_offload(before_group.name)
         return True
 
-    def backward_start(self, layer: Any) -> None:
+    def backward_start(self, layer: Any, forward: Optional[_Forward] = None) -> None:
+        """The backward of ``layer``'s forward call ``forward`` starts: bring that call's swapped
+        tensors back (on demand if nothing prefetched them), then prefetch the predecessor's
+        call that fed it, up to ``SwapManager().prefetch_budget()`` bytes, in backward-use order,
+        so that its copy overlaps this layer's backward."""
         link = self._links.get(layer)
         if link is None:  # the chain was reset while a graph was alive
             return
-        prev = link.prev() if link.prev is not None else None
-        if prev is not None:
-            prev_name = self._links[prev].name
-            if self._m._group(prev_name).has_state(TensorState.HOST) or \
-                    self._m._group(prev_name).has_state(TensorState.D2H):
-                self._m.launch_load(prev_name)
         own = self._m._group(link.name)
-        if not own.load_pending and (own.has_state(TensorState.HOST) or own.has_state(TensorState.D2H)):
-            # Nothing prefetched this layer (it is the first to run backward, or the graph was
-            # entered in the middle): load it now rather than fail.
-            self._m.launch_load(link.name)
+        mine = forward.live() if forward is not None else None
+        if own.pending_load_bytes(mine):
+            self._m.launch_load(link.name, storages=mine)
+        prev = self._alive(link.prev)
+        fed_by = forward.prev() if forward is not None and forward.prev is not None else None
+        if prev is not None and (forward is None or fed_by is not None):
+            prev_name = self._links[prev].name
+            theirs = fed_by.live() if fed_by is not None else None
+            budget = self._m.prefetch_budget()
+            if self._m._group(prev_name).pending_load_bytes(theirs) and budget != 0:
+                self._m.launch_load(prev_name, storages=theirs, limit_bytes=budget)
         if own.load_pending:
             self._m.wait_load(link.name)

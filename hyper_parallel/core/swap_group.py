@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import defaultdict
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .backend import Backend
 from .keep_reason import KeepReason
@@ -89,7 +89,8 @@ class SwapGroup:
         self._b = backend
         self.stats = stats
         self.persistent = persistent  # layer-chain groups live as long as the chain
-        self._storages: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # Insertion-ordered (a dict underneath): loads go in backward-use order, the reverse of it.
+        self._storages: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self._offload_events: List[Any] = []
         self._load_events: List[Any] = []
         self.offload_pending = False
@@ -98,12 +99,17 @@ class SwapGroup:
 
     # ------------------------------------------------------------------ content
     def add(self, storage: Any) -> None:
-        self._storages.add(storage)
+        if self._storages.get(id(storage)) is not storage:
+            self._storages[id(storage)] = storage
+
+    def storages(self) -> List[Any]:
+        """The live storages, in the order they were added (forward order)."""
+        return list(self._storages.values())
 
     def __len__(self) -> int:
-        # Count live members by iterating: len(WeakSet) still counts an entry whose object is being
-        # finalised right now (its removal callback runs after ours).
-        return sum(1 for _ in self._storages)
+        # Count live members by iterating: a weak container still counts an entry whose object is
+        # being finalised right now (its removal callback runs after ours).
+        return sum(1 for _ in self._storages.values())
 
     def settle(self) -> None:
         """Bring everything back to the device, synchronously: finish an offload in flight, load
@@ -116,7 +122,7 @@ class SwapGroup:
             self.wait_load()
 
     def _tensors(self, *states: TensorState) -> List[SwapTensor]:
-        return [t for s in list(self._storages) for t in s.swap_tensors() if t.state in states]
+        return [t for s in self.storages() for t in s.swap_tensors() if t.state in states]
 
     def has_state(self, state: TensorState) -> bool:
         return bool(self._tensors(state))
@@ -127,7 +133,7 @@ class SwapGroup:
 
     def resident_swap_bytes(self) -> int:
         """Bytes of this group's swap candidates that occupy device memory now."""
-        return sum(t.nbytes for s in list(self._storages) for t in s.swap_tensors() if t.resident_candidate)
+        return sum(t.nbytes for s in self.storages() for t in s.swap_tensors() if t.resident_candidate)
 
     def forget_in_flight(self) -> None:
         """Every storage of the group died: nothing can wait for its copies any more (their host
@@ -227,22 +233,48 @@ class SwapGroup:
         self.stats.wait_offload_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ load
-    def launch_load(self, copy_streams: Callable[[Any], Any]) -> None:
-        """``copy_streams(device)``: the copy stream to use for the storages of ``device``."""
-        with self._b.trace_range(f"hyper_parallel.launch_load[{self.name}]"):
-            self._launch_load(copy_streams)
+    def launch_load(self, copy_streams: Callable[[Any], Any], storages: Optional[Sequence[Any]] = None,
+                    limit_bytes: Optional[int] = None) -> int:
+        """``copy_streams(device)``: the copy stream to use for the storages of ``device``.
 
-    def _launch_load(self, copy_streams: Callable[[Any], Any]) -> None:
+        ``storages``: load only these (e.g. the storages of one forward, when several forwards of
+        the layer wait for their backward); default all. ``limit_bytes``: load at most this many
+        bytes, the tensors backward needs first (the reverse of the order they were saved in);
+        the rest stay on the host for a later load. Returns the bytes whose copies were issued."""
+        with self._b.trace_range(f"hyper_parallel.launch_load[{self.name}]"):
+            return self._launch_load(copy_streams, storages, limit_bytes)
+
+    def pending_load_bytes(self, storages: Optional[Sequence[Any]] = None) -> int:
+        """Bytes of ``storages`` (default: all) still to bring back to the device."""
+        return sum(t.nbytes for t in self._in_backward_order(storages, TensorState.HOST, TensorState.D2H))
+
+    def _in_backward_order(self, storages: Optional[Sequence[Any]], *states: TensorState) -> List[SwapTensor]:
+        chosen = self.storages() if storages is None else [s for s in storages if s is not None]
+        return [t for s in reversed(chosen) for t in reversed(list(s.swap_tensors())) if t.state in states]
+
+    def _launch_load(self, copy_streams: Callable[[Any], Any], storages: Optional[Sequence[Any]] = None,
+                     limit_bytes: Optional[int] = None) -> int:
         p = self._b
+        wanted = self._in_backward_order(storages, TensorState.HOST, TensorState.D2H)
+        if limit_bytes is not None:
+            budget, chosen = limit_bytes, []
+            for t in wanted:
+                if t.nbytes > budget:
+                    break  # keep backward-use order: nothing after a tensor that does not fit
+                budget -= t.nbytes
+                chosen.append(t)
+            wanted = chosen
         # Offloads that were launched but never waited are cancelled: their sources are intact.
-        for t in self._tensors(TensorState.D2H):
-            t.async_load()
+        for t in wanted:
+            if t.state is TensorState.D2H:
+                t.async_load()
         if not self._tensors(TensorState.D2H):
             self.offload_cancelled = self.offload_pending
             self._offload_events.clear()
             self.offload_pending = False
+        issued_bytes = 0
         try:
-            for device, tensors in _by_device(self._tensors(TensorState.HOST)).items():
+            for device, tensors in _by_device([t for t in wanted if t.state is TensorState.HOST]).items():
                 copy_stream = copy_streams(device)
                 allocated: List[SwapTensor] = []
                 issued: List[SwapTensor] = []
@@ -265,11 +297,13 @@ class SwapGroup:
                         for t in issued:
                             t.set_copy_event(event)
                             self.stats.loaded_bytes += t.nbytes
+                            issued_bytes += t.nbytes
                         self._load_events.append((device, event))
                         self.load_pending = True
         finally:
             self.stats.load_launches += 1
         self.load_pending = True
+        return issued_bytes
 
     def wait_load(self) -> None:
         if not self.load_pending:

@@ -17,6 +17,7 @@ from .swap_group import GroupStats, SwapGroup
 __all__ = ["SwapManager", "DEFAULT_GROUP"]
 
 DEFAULT_GROUP = "default"
+_AUTO = object()  # prefetch budget not set: chosen by the device (see set_prefetch_budget)
 _RETIRED_NAMES = 1024  # how many names of forgotten groups are remembered
 _RETIRED_STATS = 64    # how many forgotten groups keep their own entry in stats()["groups"]
 
@@ -82,6 +83,10 @@ class SwapManager:
         self._recent_retired: "OrderedDict[str, None]" = OrderedDict()
         self._current_group_name: Optional[str] = None
         self._copy_streams: Dict[Any, Any] = {}  # device -> the manager's copy stream there
+        self._prefetch_budget: Any = _AUTO
+        # The storage sets of the chained layer forwards running now (innermost last): a storage
+        # made while one runs belongs to that forward (see LayerChain).
+        self._forward_records: List[Any] = []
         self._pool = HostBufferPool(self.backend)
         self._chain = LayerChain(self)  # cleared, never replaced: it may still receive hook calls
 
@@ -116,6 +121,8 @@ class SwapManager:
             group = self._group(name, create=True)
             storage = Storage(self.backend, self._pool, name, group.stats)
             self.add_storage(name, storage)
+            if self._forward_records:
+                self._forward_records[-1].add(storage)
             return storage
 
     def add_storage(self, group_name: str, storage: Storage) -> None:
@@ -249,12 +256,20 @@ class SwapManager:
                 group.wait_offload()
                 self._forget_if_empty(group_name)
 
-    def launch_load(self, group_name: str, copy_stream: Any = None) -> None:
-        """Start copying group ``group_name``'s offloaded tensors back to the device."""
+    def launch_load(self, group_name: str, copy_stream: Any = None, *, storages: Any = None,
+                    limit_bytes: Optional[int] = None) -> None:
+        """Start copying group ``group_name``'s offloaded tensors back to the device.
+
+        ``storages`` (a sequence of the group's :class:`Storage` s) loads only those, and
+        ``limit_bytes`` at most that many bytes, the tensors backward needs first; the layer chain
+        uses both (one forward's storages, the prefetch budget)."""
+        if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int)
+                                        or limit_bytes < 0):
+            raise TypeError(f"launch_load: limit_bytes must be an int >= 0 or None, got {limit_bytes!r}")
         with self._locked():
             group = self._live_group(group_name)
             if group is not None:
-                group.launch_load(self._streams(copy_stream))
+                group.launch_load(self._streams(copy_stream), storages, limit_bytes)
 
     def wait_load(self, group_name: str) -> None:
         """Make compute wait for the group's load; its tensors are usable afterwards."""
@@ -263,6 +278,45 @@ class SwapManager:
             if group is not None:
                 group.wait_load()
                 self._forget_if_empty(group_name)
+
+    def copies_overlap(self) -> bool:
+        """Whether copies run on a copy stream, overlapping compute (an accelerator); on a CPU
+        build they are synchronous."""
+        return self.backend.current_stream() is not None
+
+    def set_prefetch_budget(self, nbytes: Optional[int]) -> None:
+        """How many bytes of the previous layer's swapped tensors the layer chain prefetches while
+        a layer runs its backward (the tensors backward needs first go first; the rest are loaded
+        when that layer's backward starts). In backward the device then holds the running layer's
+        swapped tensors plus at most this budget.
+
+        ``None``: no limit, the RFC's schedule (the whole previous layer is prefetched, and in forward
+        each layer's offload is waited when the next layer ends). ``0``: load on demand.
+
+        The default (until this is called, and after :meth:`reset`) depends on the device: the
+        RFC's schedule where copies overlap compute (a copy stream), and ``0`` where they cannot
+        (CPU: copies are synchronous, so loading on demand costs no time and keeps only the
+        running layer on the device; offloads are then also waited as soon as they are launched).
+
+        Example::
+
+            >>> SwapManager().set_prefetch_budget(256 << 20)   # at most 256 MiB ahead
+            >>> SwapManager().set_prefetch_budget(None)        # the RFC's schedule, on any device
+        """
+        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+            raise TypeError(f"set_prefetch_budget expects a number of bytes (int >= 0) or None, got {nbytes!r}")
+        self._prefetch_budget = nbytes
+
+    def prefetch_budget(self) -> Optional[int]:
+        """The budget in force (see :meth:`set_prefetch_budget`): ``None`` means no limit."""
+        if self._prefetch_budget is not _AUTO:
+            return self._prefetch_budget
+        return None if self.copies_overlap() else 0
+
+    def _waits_offload_at_once(self) -> bool:
+        """Whether the layer chain waits a layer's offload right after launching it: only where
+        copies are synchronous and the (default) budget loads on demand."""
+        return not self.copies_overlap() and self.prefetch_budget() == 0
 
     # ------------------------------------------------------------------ layer chain
     def set_forward_prefetch_layer(self, first_layer: Any, second_layer: Any) -> None:
@@ -344,6 +398,8 @@ class SwapManager:
             self._recent_retired.clear()
             self._current_group_name = None
             self._copy_streams = {}
+            self._prefetch_budget = _AUTO
+            self._forward_records = []
             # The backend is read again: a test or tool may have switched it (core.backend.use_backend).
             self.backend = active_backend()
             self._pool = HostBufferPool(self.backend)  # the host limit goes back to "none" too

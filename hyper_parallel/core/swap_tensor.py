@@ -60,6 +60,8 @@ class SwapTensor:
         self._src: Any = None      # byte view of the source while its D2H copy is in flight
         self._host: Any = None     # host buffer holding the bytes while offloaded
         self._dev: Any = None      # byte tensor of the reloaded storage
+        self._views = 0            # live SwapViews (saved tensors autograd still holds)
+        self.released = False      # every view was released after use: the device copy is gone
         self._host_guard: Any = None  # offload event: the host buffer is written until it fires
         self.kept_reason: Optional[KeepReason] = None  # set once the storage stays on the device for good
         self.shared_skips = 0  # launches that skipped it because somebody else held it
@@ -104,7 +106,7 @@ class SwapTensor:
         """True while this storage occupies device memory *as a swap candidate*: produced and not
         yet offloaded (unless somebody else holds it, so an offload would keep it), in flight,
         or loaded back."""
-        if self.kept_reason is not None or self._state is TensorState.HOST:
+        if self.kept_reason is not None or self._state is TensorState.HOST or self.released:
             return False
         if self._aliases is not None and self._b.storage_other_holders(self._aliases) > 0:
             return False
@@ -161,6 +163,16 @@ class SwapTensor:
         raise RuntimeError(
             f"a saved tensor of swap group '{self.group_name}' is still being loaded (state 'h2d'). "
             f"Call SwapManager().wait_load('{self.group_name}') before the backward that needs it.")
+
+    def view_released(self) -> None:
+        """A saved tensor of this storage was dropped by autograd. With the last one, a storage on
+        the device (reloaded, or never moved) is needed by nobody: drop our references to it now
+        rather than when the whole region's graph dies."""
+        self._views -= 1
+        if self._views == 0 and self._state is TensorState.DEVICE:
+            self._dev = None
+            self._aliases = None
+            self.released = True
 
     # ----------------------------------------------------------------- offload
     def async_offload(self, copy_stream: Any) -> Optional[KeepReason]:
@@ -319,7 +331,11 @@ class SwapTensor:
 
 
 class SwapView:
-    """What a region keeps in place of one saved tensor: ``get_val()`` returns the tensor."""
+    """What a region keeps in place of one saved tensor: ``get_val()`` returns the tensor.
+
+    Autograd drops it once the node that saved it has run its backward (without
+    ``retain_graph``); when every view of a storage is gone, the storage's device copy goes too,
+    so backward frees each reloaded tensor as soon as it was used, as recomputation does."""
 
     __slots__ = ("_swap_tensor", "_index", "_storage")
 
@@ -327,6 +343,13 @@ class SwapView:
         self._swap_tensor = swap_tensor
         self._index = index
         self._storage = storage  # keeps the region's Storage alive as long as autograd needs it
+        swap_tensor._views += 1
 
     def get_val(self) -> Any:
         return self._swap_tensor.get_val(self._index)
+
+    def __del__(self) -> None:
+        try:
+            self._swap_tensor.view_released()
+        except Exception:  # interpreter shutdown
+            pass
