@@ -89,8 +89,10 @@ class SwapGroup:
         self._b = backend
         self.stats = stats
         self.persistent = persistent  # layer-chain groups live as long as the chain
-        # Insertion-ordered (a dict underneath): loads go in backward-use order, the reverse of it.
-        self._storages: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        # Weak references in the order the storages were added (loads go in backward-use order,
+        # the reverse of it); plain refs are much cheaper to walk than a weak container.
+        self._storages: List[weakref.ref] = []
+        self._ids: set = set()
         self._offload_events: List[Any] = []
         self._load_events: List[Any] = []
         self.offload_pending = False
@@ -99,17 +101,22 @@ class SwapGroup:
 
     # ------------------------------------------------------------------ content
     def add(self, storage: Any) -> None:
-        if self._storages.get(id(storage)) is not storage:
-            self._storages[id(storage)] = storage
+        key = id(storage)
+        if key in self._ids and any(r() is storage for r in self._storages):
+            return
+        self._ids.add(key)
+        self._storages.append(weakref.ref(storage))
 
     def storages(self) -> List[Any]:
         """The live storages, in the order they were added (forward order)."""
-        return list(self._storages.values())
+        live = [s for s in (r() for r in self._storages) if s is not None]
+        if len(live) != len(self._storages):  # drop the references of dead storages
+            self._storages = [weakref.ref(s) for s in live]
+            self._ids = {id(s) for s in live}
+        return live
 
     def __len__(self) -> int:
-        # Count live members by iterating: a weak container still counts an entry whose object is
-        # being finalised right now (its removal callback runs after ours).
-        return sum(1 for _ in self._storages.values())
+        return len(self.storages())
 
     def settle(self) -> None:
         """Bring everything back to the device, synchronously: finish an offload in flight, load
@@ -324,5 +331,5 @@ class SwapGroup:
         self.stats.wait_load_s += time.perf_counter() - t0
 
     def __repr__(self) -> str:
-        return (f"SwapGroup({self.name!r}, storages={len(self._storages)}, "
+        return (f"SwapGroup({self.name!r}, storages={len(self)}, "
                 f"offload_pending={self.offload_pending}, load_pending={self.load_pending})")
