@@ -22,6 +22,7 @@ from hyper_parallel.bench.modes import MODES, chain_layers, swap_matmuls
 from hyper_parallel.core.activation_checkpoint import SwapManager, checkpoint_wrapper, swap_wrapper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HANG_GUARD_S = 60 * 60  # a guard against a hung subprocess, never a speed check
 CONFIG = ["--layers", "8", "--dim", "64", "--heads", "2", "--seq", "64", "--batch", "4",
           "--vocab", "256", "--steps", "3", "--threads", "1"]
 
@@ -29,7 +30,7 @@ CONFIG = ["--layers", "8", "--dim", "64", "--heads", "2", "--seq", "64", "--batc
 def _run_mode(mode: str) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "hyper_parallel.bench", "--worker", mode, *CONFIG],
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.lstrip().endswith("}")][-1]
     return json.loads(line[line.index("{"):])
