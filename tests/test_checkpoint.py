@@ -12,7 +12,7 @@ import torch.utils.checkpoint as torch_ckpt
 from hyper_parallel.core.activation_checkpoint import (
     CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts)
 
-from helpers import (MATMUL_OPS, REGION_FORWARD_OPS, RecordingPolicy, aten, assert_all_equal,
+from support.helpers import (MATMUL_OPS, REGION_FORWARD_OPS, RecordingPolicy, aten, assert_all_equal,
                      assert_state_equal, forward_backward_counts, gpt_in_mode, make_params,
                      policy_for_matmuls, recompute_all, region, rerun_counts, save_all, train_snapshot)
 

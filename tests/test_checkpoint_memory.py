@@ -11,7 +11,7 @@ import torch
 from hyper_parallel.core.activation_checkpoint import CheckpointPolicy, checkpoint
 from hyper_parallel.tools.memory import MemoryMeter
 
-from helpers import aten, make_params, policy_for_matmuls, recompute_all, region, save_all
+from support.helpers import aten, make_params, policy_for_matmuls, recompute_all, region, save_all
 
 N = 256
 UNIT = N * N * 4  # bytes of one (N, N) float32 activation of `region`

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts as torch
 from hyper_parallel.core.activation_checkpoint import CheckpointPolicy, checkpoint, keep_collectives
 from hyper_parallel.core.backend import OpKind, active_backend
 
-from helpers import OpCounter, aten
+from support.helpers import OpCounter, aten
 
 c10d = torch.ops._c10d_functional
 ALL_REDUCE = c10d.all_reduce.default

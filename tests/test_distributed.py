@@ -3,7 +3,7 @@
 The two processes are started once for the whole module (starting them and importing the
 distributed packages costs most of the time on a 2-core machine); every selected test names the
 scenario it needs, the fixture runs exactly those in one pair of processes (see
-``tests/dist_utils.py``), and each test checks its scenario's per-rank results.
+``tests/support/dist_utils.py``), and each test checks its scenario's per-rank results.
 
 The ``MicrobatchSwapSchedule`` unit tests at the end run in this process.
 """
@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-import dist_utils
+from support import dist_utils
 from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
 from hyper_parallel.core.microbatch_schedule import (MicrobatchSwapSchedule,
                                                                           resident_swap_bytes)

@@ -19,7 +19,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from hyper_parallel.core.activation_checkpoint import (RecomputeSession, SwapManager,
                                                        checkpoint, checkpoint_exclude_wrapper, checkpoint_wrapper)
 
-from helpers import OpCounter, RecordingPolicy, aten, assert_state_equal, gpt_in_mode, train_snapshot
+from support.helpers import OpCounter, RecordingPolicy, aten, assert_state_equal, gpt_in_mode, train_snapshot
 
 SOFTMAX = aten._softmax.default
 GELU = aten.gelu.default

@@ -10,7 +10,7 @@ from torch import nn
 from hyper_parallel.core.activation_checkpoint import (
     CheckpointPolicy, SwapManager, checkpoint_wrapper, swap_wrapper)
 
-from swap_models import ManagerSpy, ToyNet, assert_tensors_equal, chain, grads, group, make_input
+from support.swap_models import ManagerSpy, ToyNet, assert_tensors_equal, chain, grads, group, make_input
 
 # Every test also runs on the simulated asynchronous device, stream-ordering checker on ([sim]).
 pytestmark = pytest.mark.sim_device

@@ -12,7 +12,7 @@ from hyper_parallel.core.activation_checkpoint import SwapManager, checkpoint_wr
 from hyper_parallel.core.swap_tensor import TensorState
 from hyper_parallel.tools.memory import MemoryMeter
 
-from swap_models import ManagerSpy, ToyNet, assert_tensors_equal, chain, grads, make_input
+from support.swap_models import ManagerSpy, ToyNet, assert_tensors_equal, chain, grads, make_input
 
 N_LAYERS = 4
 

@@ -13,7 +13,7 @@ from hyper_parallel.core.activation_checkpoint import (
     create_selective_checkpoint_contexts)
 from hyper_parallel.core.policy import Decision, normalize_policy
 
-from helpers import (MATMUL_OPS, REGION_FORWARD_OPS, RecordingPolicy, aten, assert_all_equal,
+from support.helpers import (MATMUL_OPS, REGION_FORWARD_OPS, RecordingPolicy, aten, assert_all_equal,
                      forward_backward_counts, make_params, policy_for_matmuls, region, rerun_counts)
 
 TorchPolicy = torch_ckpt.CheckpointPolicy

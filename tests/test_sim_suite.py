@@ -18,7 +18,7 @@ from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
 from hyper_parallel.core.microbatch_schedule import MicrobatchSwapSchedule
 from hyper_parallel.testing import per_layer_streams, simulated_device
 
-import sim_scenarios as sc
+from support import sim_scenarios as sc
 
 CFG = GPTConfig(vocab=64, dim=32, heads=2, layers=3, seq=16, dropout=0.1)
 _BASE: Dict[int, Any] = {}

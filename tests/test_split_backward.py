@@ -27,7 +27,7 @@ from hyper_parallel.core.activation_checkpoint import (CheckpointPolicy, Recompu
                                                        checkpoint_wrapper)
 from hyper_parallel.tools.memory import MemoryMeter
 
-from helpers import OpCounter, aten
+from support.helpers import OpCounter, aten
 
 D, H, LAYERS = 32, 64, 2
 GELU = aten.gelu.default

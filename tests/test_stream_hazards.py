@@ -16,8 +16,8 @@ from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
 from hyper_parallel.core.swap_tensor import TensorState
 from hyper_parallel.testing import simulated_device
 
-import sim_scenarios as sc
-from swap_models import ToyNet, assert_tensors_equal, chain, grads, make_input
+from support import sim_scenarios as sc
+from support.swap_models import ToyNet, assert_tensors_equal, chain, grads, make_input
 
 sim_only = pytest.mark.sim_only
 

@@ -13,7 +13,7 @@ from hyper_parallel.core.host_pool import HostBufferPool
 from hyper_parallel.core.swap_group import SwapGroup
 from hyper_parallel.core.swap_tensor import SwapTensor
 
-import sim_scenarios as sc
+from support import sim_scenarios as sc
 
 SCENARIOS = {
     "atomic": sc.atomic_round_trip,

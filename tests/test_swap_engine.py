@@ -13,7 +13,7 @@ from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
 from hyper_parallel.core.swap_tensor import SwapView, TensorState
 from hyper_parallel.tools.memory import MemoryMeter
 
-from swap_models import ToyNet, assert_tensors_equal, grads, group, make_input, round_trip, train
+from support.swap_models import ToyNet, assert_tensors_equal, grads, group, make_input, round_trip, train
 
 # Every test also runs on the simulated asynchronous device, stream-ordering checker on ([sim]).
 pytestmark = pytest.mark.sim_device
@@ -375,7 +375,7 @@ def test_host_memory_limit_zero_keeps_everything(fresh_manager):
 
 # ------------------------------------------------------------------------------ reset
 def _chained_swap_net(**kw):
-    from swap_models import chain
+    from support.swap_models import chain
     net = ToyNet(**kw)
     for i, layer in enumerate(net.layers):
         net.layers[i] = swap_wrapper(layer)

@@ -14,7 +14,7 @@ from hyper_parallel.core.backend import active_backend
 from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
 from hyper_parallel.tools.memory import MemoryMeter
 
-from swap_models import (ManagerSpy, ToyNet, assert_tensors_equal, chain, grads, group,
+from support.swap_models import (ManagerSpy, ToyNet, assert_tensors_equal, chain, grads, group,
                          live_tensor_count, make_input)
 
 # Every test also runs on the simulated asynchronous device, stream-ordering checker on ([sim]).

@@ -11,7 +11,7 @@ from hyper_parallel.core.activation_checkpoint import (
     CheckpointPolicy, SwapManager, checkpoint, checkpoint_wrapper, swap_wrapper)
 from hyper_parallel.tools.memory import MemoryMeter
 
-from swap_models import (ToyNet, assert_tensors_equal, grads, group, make_input, params, round_trip,
+from support.swap_models import (ToyNet, assert_tensors_equal, grads, group, make_input, params, round_trip,
                          train)
 
 # Every test also runs on the simulated asynchronous device, stream-ordering checker on ([sim]).

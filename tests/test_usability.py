@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import OpCounter
+from support.helpers import OpCounter
 from hyper_parallel.bench.model import GPT, GPTConfig, make_batch
 from hyper_parallel.core.activation_checkpoint import (CheckpointPolicy, SwapManager, checkpoint,
                                                        checkpoint_wrapper, swap_wrapper, wrap_layers)

@@ -11,7 +11,7 @@ from torch import nn
 
 from hyper_parallel.core.activation_checkpoint import CheckpointPolicy, checkpoint_wrapper
 
-from helpers import (MATMUL_OPS, aten, assert_all_equal, assert_state_equal, count_ops,
+from support.helpers import (MATMUL_OPS, aten, assert_all_equal, assert_state_equal, count_ops,
                      forward_backward_counts, gpt_in_mode, make_params, policy_for_matmuls, region,
                      rerun_counts, tiny_gpt_config, train_snapshot)
 

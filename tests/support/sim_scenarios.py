@@ -13,7 +13,7 @@ import torch
 from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
 from hyper_parallel.testing import SimDevice, per_layer_streams, simulated_device
 
-from swap_models import ToyNet, chain, grads, make_input
+from support.swap_models import ToyNet, chain, grads, make_input
 
 NET = dict(layers=3, dim=16, hidden=32, seq=8)
 

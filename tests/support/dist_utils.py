@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 LR = 0.1
 ATOL = 1e-5
 
@@ -829,7 +829,7 @@ SCENARIOS: Dict[str, Callable[[int, int], Dict[str, Any]]] = {
 }
 
 
-if __name__ == "__main__":  # python tests/dist_utils.py [scenario ...]: print the results
+if __name__ == "__main__":  # PYTHONPATH=tests python -m support.dist_utils [scenario ...]: print the results
     chosen = sys.argv[1:] or list(SCENARIOS)
     t0 = time.perf_counter()
     print(json.dumps(run_scenarios(chosen), indent=1, default=str))
