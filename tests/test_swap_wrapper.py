@@ -75,8 +75,12 @@ def test_swap_wrapper_modes_bitwise_and_memory_ordering():
         assert stats["offloaded_bytes"] > 0, mode
         assert stats["loaded_bytes"] == stats["offloaded_bytes"], mode
         assert stats["kept_bytes"].get("parameter", 0) > 0, mode
-        last = f"layer_{cfg.layers - 1}"
-        assert stats["groups"][last]["offloaded_bytes"] == 0, "the last layer is never offloaded"
+        last = stats["groups"][f"layer_{cfg.layers - 1}"]["offloaded_bytes"]
+        mgr = SwapManager()
+        if mgr.copies_overlap() or mgr.prefetch_budget() != 0:
+            assert last == 0, "the RFC's schedule never offloads the last layer"
+        else:
+            assert last > 0, "with synchronous copies the last layer is offloaded too (CPU default)"
         assert stats["host_pool"]["in_use_bytes"] == 0
     policy_stats = results["swap_with_policy"][4]
     assert policy_stats["kept_bytes"].get("policy_save", 0) > 0
