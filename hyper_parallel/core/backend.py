@@ -292,7 +292,8 @@ class Backend(abc.ABC):
         ``requires_grad``: what a recomputation receives in place of the output of a sub-module
         excluded from it (``checkpoint_exclude_wrapper``), so that the ops after it save what they
         saved in forward. The default says the backend does not support exclusion."""
-        raise NotImplementedError(f"checkpoint_exclude_wrapper is not supported on the {self.name} backend.")
+        raise RuntimeError(f"checkpoint_exclude_wrapper is not supported on the {self.name} backend (PyTorch "
+                           "only); keep the sub-module's outputs with a selective policy (MUST_SAVE for its ops) instead.")
 
     @abc.abstractmethod
     def compiling(self) -> bool:

@@ -206,7 +206,8 @@ def checkpoint_exclude_wrapper(module_or_function: Any, swap: bool = False) -> A
     if not isinstance(swap, bool):
         raise TypeError(f"checkpoint_exclude_wrapper: swap must be a bool, got {swap!r}")
     if not b.exclusion_supported:
-        raise NotImplementedError(f"checkpoint_exclude_wrapper is not supported on the {b.name} backend.")
+        raise RuntimeError(f"checkpoint_exclude_wrapper is not supported on the {b.name} backend (PyTorch only); "
+                           "keep the sub-module's outputs with a selective policy (MUST_SAVE for its ops) instead.")
     target = module_or_function
     if b.is_module(target):
         return _wrap_module(b, target, _EXCLUDE, {"_hp_exclude_swap": swap})
