@@ -25,7 +25,7 @@ def _d2h(sim, src, copy):
     host = sim.empty_host_bytes(src.untyped_storage().nbytes())
     sim.wait_event(copy, sim.record_event(sim.current_stream()))
     with sim.stream_context(copy):
-        sim.copy_bytes(host, sim.byte_view(src))
+        sim.copy_bytes(host, src)
     return host, sim.record_event(copy)
 
 
@@ -93,7 +93,7 @@ def test_copy_not_ordered_after_the_producer_is_a_hazard(dev):
     src = torch.arange(4.0) * 1
     host = dev.empty_host_bytes(16)
     with dev.stream_context(copy):  # no wait on compute first
-        dev.copy_bytes(host, dev.byte_view(src))
+        dev.copy_bytes(host, src)
     assert any("D2H copy on copy0@dev0 is not ordered after its write" in v for v in dev.violations)
 
 
@@ -116,7 +116,7 @@ def test_host_buffer_reused_by_another_copy_stream_before_its_read_is_done(dev):
     src = torch.arange(4.0) * 1
     dev.wait_event(s2, dev.record_event(dev.current_stream()))
     with dev.stream_context(s2):
-        dev.copy_bytes(host, dev.byte_view(src))  # D2H overwrites it: not ordered after the read
+        dev.copy_bytes(host, src)  # D2H overwrites it: not ordered after the read
     assert any("is reused (written by D2H copy on copy1@dev0) before the H2D copy" in v for v in dev.violations)
 
 

@@ -147,13 +147,9 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------------ byte views, allocation, copies
     @abc.abstractmethod
-    def byte_view(self, t: Tensor) -> Tensor:
-        """A flat uint8 tensor over the whole storage of ``t`` (what is copied)."""
-        ...
-
-    @abc.abstractmethod
     def rebuild_view(self, flat: Tensor, meta: ViewMeta) -> Tensor:
-        """A tensor with ``meta``'s layout over the storage of the byte tensor ``flat``."""
+        """A tensor with ``meta``'s layout over the storage of ``flat`` (a byte tensor, or a
+        saved tensor of that storage)."""
         ...
 
     @abc.abstractmethod
@@ -180,8 +176,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def copy_bytes(self, dst: Tensor, src: Tensor) -> None:
-        """Copy ``src`` into ``dst`` (same byte count) on the current stream, asynchronously where
-        possible; invisible to autograd and to user dispatch modes."""
+        """Copy every byte of the storage ``src`` views into the storage of ``dst`` (same byte
+        count; ``src`` is a saved tensor or a byte tensor) on the current stream, asynchronously
+        where possible; invisible to autograd and to user dispatch modes."""
         ...
 
     @abc.abstractmethod

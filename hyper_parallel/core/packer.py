@@ -45,12 +45,11 @@ class SwapPacker:
         self.policy_fn = policy_fn
         self.param_ids = param_ids or set()
 
-    def _keep_reason(self, t: Any) -> Optional[KeepReason]:
+    def _keep_reason(self, t: Any, key: int) -> Optional[KeepReason]:
+        """Why ``t`` (of device storage ``key``) stays on the device, or ``None`` to swap it.
+        ``t`` passed ``Backend.unswappable_reason`` already."""
         b = self._b
-        reason = b.unswappable_reason(t)
-        if reason is not None:
-            return reason
-        if b.storage_id(t) in self.param_ids:
+        if key in self.param_ids:
             return KeepReason.PARAMETER if b.requires_grad(t) else KeepReason.BUFFER
         if b.is_grad_leaf(t):
             return KeepReason.PARAMETER
@@ -62,14 +61,18 @@ class SwapPacker:
         return None
 
     def pack(self, t: Any) -> Any:
+        # Called for every tensor autograd saves: the common case (an activation to swap) makes
+        # one pass over the checks and computes the storage key once.
         b = self._b
-        reason = self._keep_reason(t)
-        alias = b.alias(t)
-        if reason is not None:
-            nbytes = 0 if reason is KeepReason.UNSUPPORTED_TENSOR else b.storage_nbytes(t)
-            self.storage.add_save(nbytes, reason)
-            return Saved(alias, b.version)
-        return self.storage.add_swap(alias)
+        reason = b.unswappable_reason(t)
+        if reason is None:
+            key = b.storage_id(t)
+            reason = self._keep_reason(t, key)
+            if reason is None:
+                return self.storage.add_swap(b.alias(t), key)
+        nbytes = 0 if reason is KeepReason.UNSUPPORTED_TENSOR else b.storage_nbytes(t)
+        self.storage.add_save(nbytes, reason)
+        return Saved(b.alias(t), b.version)
 
     @staticmethod
     def unpack(packed: Any) -> Any:

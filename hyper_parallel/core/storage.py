@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List, Optional
 
 from .backend import Backend
 from .keep_reason import KeepReason
@@ -35,9 +35,11 @@ class Storage:
         self.swap_storage: List[SwapTensor] = []
         self.save_bytes = 0
 
-    def add_swap(self, tensor: Any) -> SwapView:
-        """Register a tensor to be swapped; returns the handle to read it back with."""
-        key = self._b.storage_id(tensor)
+    def add_swap(self, tensor: Any, key: Optional[int] = None) -> SwapView:
+        """Register a tensor to be swapped; returns the handle to read it back with. ``key``:
+        ``Backend.storage_id(tensor)`` when the caller knows it already."""
+        if key is None:
+            key = self._b.storage_id(tensor)
         st = self._on_device.get(key)
         if st is not None and st.state is TensorState.DEVICE and st.kept_reason is None \
                 and st.holds_aliases:
@@ -52,8 +54,10 @@ class Storage:
         self.save_bytes += nbytes
         self._stats.keep(reason, nbytes)
 
-    def swap_tensors(self) -> Iterator[SwapTensor]:
-        return iter(list(self.swap_storage))
+    def swap_tensors(self) -> List[SwapTensor]:
+        """Every :class:`SwapTensor` of this storage, in the order they were saved (the list
+        itself: read it, do not change it)."""
+        return self.swap_storage
 
     def __repr__(self) -> str:
         return (f"Storage(group={self.group_name!r}, swap={len(self.swap_storage)}, "

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .backend import Backend, active_backend
 from .host_pool import HostBufferPool
@@ -20,6 +19,29 @@ DEFAULT_GROUP = "default"
 _AUTO = object()  # prefetch budget not set: chosen by the device (see set_prefetch_budget)
 _RETIRED_NAMES = 1024  # how many names of forgotten groups are remembered
 _RETIRED_STATS = 64    # how many forgotten groups keep their own entry in stats()["groups"]
+
+
+class _Locked:
+    """``with manager._locked():``: a class rather than a generator context manager, because the
+    swap path takes the lock several times per layer."""
+
+    __slots__ = ("_m",)
+
+    def __init__(self, manager: "SwapManager") -> None:
+        self._m = manager
+
+    def __enter__(self) -> None:
+        m = self._m
+        m.lock.acquire()
+        try:
+            while m._deferred:
+                m._forget_if_empty(m._deferred.pop())
+        except BaseException:
+            m.lock.release()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        self._m.lock.release()
 
 
 class SwapManager:
@@ -71,6 +93,7 @@ class SwapManager:
 
     def _init(self) -> None:
         self.lock = threading.RLock()
+        self._locked_ctx = _Locked(self)
         self._deferred: List[str] = []  # groups whose last storage died while the lock was held
         self.backend: Backend = active_backend()
         self._groups: Dict[str, SwapGroup] = {}
@@ -90,12 +113,10 @@ class SwapManager:
         self._pool = HostBufferPool(self.backend)
         self._chain = LayerChain(self)  # cleared, never replaced: it may still receive hook calls
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        with self.lock:
-            while self._deferred:
-                self._forget_if_empty(self._deferred.pop())
-            yield
+    def _locked(self) -> "_Locked":
+        """The manager's lock, as a ``with`` context; entering it first forgets the groups whose
+        last storage died while the lock was held elsewhere."""
+        return self._locked_ctx
 
     # ------------------------------------------------------------------ groups
     def _group(self, name: str, create: bool = False, persistent: bool = False) -> SwapGroup:

@@ -46,12 +46,18 @@ class SwapTensor:
     only used to say which group to load in error messages.
     """
 
+    # One is made per saved storage: slots keep the constructor and attribute reads cheap.
+    __slots__ = ("_b", "_pool", "group_name", "nbytes", "state", "_aliases", "_versions", "_metas", "_src",
+                 "_host", "_dev", "_views", "released", "_host_guard", "kept_reason", "shared_skips", "device",
+                 "producers", "_copy_stream", "_dev_stream", "_load_event", "_ready", "_load_issued",
+                 "__weakref__")
+
     def __init__(self, backend: Backend, pool: Any, group_name: str, alias: Any) -> None:
         self._b = backend
         self._pool = pool
         self.group_name = group_name
         self.nbytes: int = backend.storage_nbytes(alias)
-        self._state = TensorState.DEVICE
+        self.state = TensorState.DEVICE  # read-only outside this class (a plain attribute: read per tensor)
         # Detached aliases of the saved tensors: they keep the storage alive and share the
         # originals' version counters, so in-place changes after saving are detected.
         self._aliases: Optional[List[Any]] = [alias]
@@ -70,8 +76,8 @@ class SwapTensor:
         # Streams current when the aliases were saved (their producers): the copy stream waits
         # them all, and the source's release is protected when one of them is not the stream
         # that waits the offload.
-        self.producers: List[Any] = []
-        self._note_producer()
+        stream = backend.current_stream(self.device)
+        self.producers: List[Any] = [stream] if stream is not None else []
         self._copy_stream: Any = None  # the copy stream of the copy in flight (or last issued)
         self._dev_stream: Any = None   # the stream that allocated ``_dev`` (the block's owner)
         self._load_event: Any = None   # the event after the H2D copy into ``_dev``
@@ -85,10 +91,6 @@ class SwapTensor:
             self.producers.append(stream)
 
     @property
-    def state(self) -> TensorState:
-        return self._state
-
-    @property
     def holds_aliases(self) -> bool:
         """True while the original (never moved) saved tensors are still held."""
         return self._aliases is not None
@@ -98,7 +100,7 @@ class SwapTensor:
         """Skipped by exactly one earlier launch because it was held elsewhere: worth one more
         try (a layer input is free once the caller moved on); a storage that was still held at
         the second try (a mask every layer uses) is not retried again by the layer chain."""
-        return (self._state is TensorState.DEVICE and self.kept_reason is None
+        return (self.state is TensorState.DEVICE and self.kept_reason is None
                 and self._aliases is not None and self.shared_skips == 1)
 
     @property
@@ -106,7 +108,7 @@ class SwapTensor:
         """True while this storage occupies device memory *as a swap candidate*: produced and not
         yet offloaded (unless somebody else holds it, so an offload would keep it), in flight,
         or loaded back."""
-        if self.kept_reason is not None or self._state is TensorState.HOST or self.released:
+        if self.kept_reason is not None or self.state is TensorState.HOST or self.released:
             return False
         if self._aliases is not None and self._b.storage_other_holders(self._aliases) > 0:
             return False
@@ -114,10 +116,10 @@ class SwapTensor:
 
     def add_alias(self, alias: Any) -> int:
         """Register one more saved tensor viewing this storage; returns its index."""
-        if self._state is not TensorState.DEVICE or self._aliases is None:
+        if self.state is not TensorState.DEVICE or self._aliases is None:
             raise RuntimeError(
                 f"swap group '{self.group_name}': a tensor was saved into a storage that is already "
-                f"{self._state.value}; save all tensors of a region before launching its offload.")
+                f"{self.state.value}; save all tensors of a region before launching its offload.")
         self._aliases.append(alias)
         self._versions.append(self._b.version(alias))
         self._metas.append(self._b.view_meta(alias))
@@ -139,7 +141,7 @@ class SwapTensor:
     # ----------------------------------------------------------------- reading
     def get_val(self, index: int) -> Any:
         """Return saved tensor ``index``; raises unless its bytes are on the device."""
-        state = self._state
+        state = self.state
         if state is TensorState.DEVICE:
             if self._aliases is not None:
                 problem = self._mutation()
@@ -169,7 +171,7 @@ class SwapTensor:
         the device (reloaded, or never moved) is needed by nobody: drop our references to it now
         rather than when the whole region's graph dies."""
         self._views -= 1
-        if self._views == 0 and self._state is TensorState.DEVICE:
+        if self._views == 0 and self.state is TensorState.DEVICE:
             self._dev = None
             self._aliases = None
             self.released = True
@@ -179,9 +181,9 @@ class SwapTensor:
         """Start the D2H copy on ``copy_stream`` (current). Returns ``None`` when the copy started,
         or the reason the storage stays on the device (it is then kept for good, as with SAVE).
         If the copy raises, the host buffer goes back to the pool and the state is unchanged."""
-        if self._state is not TensorState.DEVICE:
+        if self.state is not TensorState.DEVICE:
             raise RuntimeError(f"swap group '{self.group_name}': offload of a tensor in state "
-                               f"'{self._state.value}'; only tensors on the device can be offloaded.")
+                               f"'{self.state.value}'; only tensors on the device can be offloaded.")
         if self.kept_reason is not None:
             return self.kept_reason
         if self._aliases is None:  # reloaded earlier in this step: a second offload is a new save
@@ -198,7 +200,7 @@ class SwapTensor:
         host = self._pool.acquire(self.nbytes, copy_stream)
         if host is None:
             return self._keep(KeepReason.HOST_LIMIT)
-        src = self._b.byte_view(self._aliases[0])
+        src = self._aliases[0]  # any tensor over the storage: the whole storage is copied
         try:
             self._b.copy_bytes(host, src)
         except BaseException:
@@ -208,7 +210,7 @@ class SwapTensor:
             raise
         self._host, self._src, self._copy_stream = host, src, copy_stream
         self._aliases = None
-        self._state = TensorState.D2H
+        self.state = TensorState.D2H
         return None
 
     def _keep(self, reason: KeepReason) -> KeepReason:
@@ -220,39 +222,39 @@ class SwapTensor:
         the source. The allocator may hand its block to a new tensor of the block's stream at
         once; if the source was produced on another stream than ``waiter`` (a side stream), that
         stream is not ordered after the D2H, so the block is protected until the copy is done."""
-        if self._state is not TensorState.D2H:
+        if self.state is not TensorState.D2H:
             raise RuntimeError(
                 f"swap group '{self.group_name}': wait_offload on a tensor in state "
-                f"'{self._state.value}'; call launch_offload first.")
+                f"'{self.state.value}'; call launch_offload first.")
         if waiter is not None and any(not (p == waiter) for p in self.producers):
             self._protect(self._src, self._copy_stream)
         self._src = None  # the device storage is freed here unless somebody else holds it
-        self._state = TensorState.HOST
+        self.state = TensorState.HOST
 
     # ----------------------------------------------------------------- load
     def async_load(self) -> bool:
         """Allocate the H2D destination (on the current compute stream, which will use and free
         it); :meth:`copy_in` issues the copy. A tensor whose offload was never waited is simply
         kept (its source is still on the device); returns ``True`` when a copy is to be issued."""
-        if self._state is TensorState.D2H:
+        if self.state is TensorState.D2H:
             # Cancel: the source is intact; keep it. Compute does not wait for the D2H (it only
             # reads the source, as the copy does); the block is protected until the copy is
             # done, and the host buffer goes back to the pool guarded by the D2H event.
             self._protect(self._src, self._copy_stream)
             self._dev, self._src = self._src, None
             self._release_host(self._host_guard)
-            self._state = TensorState.DEVICE
+            self.state = TensorState.DEVICE
             return False
-        if self._state is not TensorState.HOST:
+        if self.state is not TensorState.HOST:
             raise RuntimeError(
-                f"swap group '{self.group_name}': launch_load on a tensor in state '{self._state.value}'.")
+                f"swap group '{self.group_name}': launch_load on a tensor in state '{self.state.value}'.")
         # The destination is allocated by the compute stream (the stream that will use and free
         # it); the caller made the copy stream wait for compute after these allocations.
         self._dev_stream = self._b.current_stream(self.device)
         self._dev = self._b.empty_device_bytes(self.nbytes, self._metas[0])
         self._load_event = None
         self._load_issued = False
-        self._state = TensorState.H2D
+        self.state = TensorState.H2D
         return True
 
     def copy_in(self, copy_stream: Any) -> None:
@@ -266,20 +268,20 @@ class SwapTensor:
     def unload(self) -> None:
         """Undo :meth:`async_load` for a tensor whose copy was never issued (a launch failed
         before reaching it): back to the host, the destination dropped."""
-        if self._state is TensorState.H2D and not self._load_issued:
+        if self.state is TensorState.H2D and not self._load_issued:
             self._dev = self._dev_stream = None
-            self._state = TensorState.HOST
+            self.state = TensorState.HOST
 
     @property
     def load_issued(self) -> bool:
-        return self._state is TensorState.H2D and self._load_issued
+        return self.state is TensorState.H2D and self._load_issued
 
     def wait_load(self, event: Any = None, waiter: Any = None) -> None:
         """The load ``event`` has been waited on stream ``waiter``."""
-        if self._state is not TensorState.H2D:
+        if self.state is not TensorState.H2D:
             raise RuntimeError(
                 f"swap group '{self.group_name}': wait_load on a tensor in state "
-                f"'{self._state.value}'; call launch_load first.")
+                f"'{self.state.value}'; call launch_load first.")
         self._release_host(self._host_guard)  # guard = the load event: the H2D reads the buffer
         self._load_event = event if event is not None else self._host_guard
         self._ready = [waiter] if waiter is not None else []
@@ -287,7 +289,7 @@ class SwapTensor:
             # The block belongs to the allocating stream, which never waited the load: keep it
             # until the waiter (ordered after the copy) is done with it.
             self._protect(self._dev, waiter)
-        self._state = TensorState.DEVICE
+        self.state = TensorState.DEVICE
 
     def _order_use_after_load(self, stream: Any) -> None:
         """Ordering point: a consumer on ``stream`` (the stream current when autograd unpacks the
@@ -318,16 +320,16 @@ class SwapTensor:
         # buffer to the pool, guarded by the copy that may still be writing it; a device block
         # that a copy in flight still reads (D2H) or writes (H2D) is protected from reuse.
         try:
-            if self._state is TensorState.D2H:
+            if self.state is TensorState.D2H:
                 self._protect(self._src, self._copy_stream)
-            elif self._state is TensorState.H2D:
+            elif self.state is TensorState.H2D:
                 self._protect(self._dev, self._copy_stream)
             self._release_host(self._host_guard)
         except Exception:  # interpreter shutdown: the pool may be gone already
             pass
 
     def __repr__(self) -> str:
-        return f"SwapTensor(group={self.group_name!r}, nbytes={self.nbytes}, state={self._state.value})"
+        return f"SwapTensor(group={self.group_name!r}, nbytes={self.nbytes}, state={self.state.value})"
 
 
 class SwapView:

@@ -655,7 +655,7 @@ class SimDevice(TorchBackend):
 
     def _exec(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with self._quiet():
-            dst.copy_(src)
+            dst.untyped_storage().copy_(src.untyped_storage())
 
     def _progress(self) -> None:
         """Random mode: maybe run one queued item early."""

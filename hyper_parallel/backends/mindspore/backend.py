@@ -253,7 +253,9 @@ class MindSporeBackend(Backend):
         return bool(t._is_leaf and t._requires_grad)  # pylint: disable=protected-access
 
     # ------------------------------------------------------------------ byte views, allocation, copies
-    def byte_view(self, t: Tensor) -> Tensor:
+    @staticmethod
+    def _byte_view(t: Tensor) -> Tensor:
+        """A flat uint8 tensor over the whole storage of ``t``."""
         with _shim.internal():
             st = t.untyped_storage()
             empty = mint.empty(0, dtype=st.dtype, device=device_kind(t))
@@ -262,7 +264,7 @@ class MindSporeBackend(Backend):
 
     def rebuild_view(self, flat: Tensor, meta: ViewMeta) -> Tensor:
         with _shim.internal():
-            typed = flat.view(meta.dtype)
+            typed = self._byte_view(flat).view(meta.dtype)
             out = mint.empty(0, dtype=meta.dtype, device=meta.device)
             return out.set_(typed.untyped_storage(), meta.offset, meta.size, meta.stride)
 
@@ -276,7 +278,7 @@ class MindSporeBackend(Backend):
 
     def copy_bytes(self, dst: Tensor, src: Tensor) -> None:
         with _shim.internal():
-            dst.copy_(src, non_blocking=True)
+            dst.copy_(self._byte_view(src), non_blocking=True)
 
     def mark_used_by(self, t: Tensor, stream: Any) -> None:
         record = getattr(t, "record_stream", None)

@@ -48,11 +48,17 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+_AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
+
+
 def detach_keeping_version(x: torch.Tensor) -> torch.Tensor:
-    """``x.detach()`` from inside a ``TorchDispatchMode`` (below autograd), re-enabling the
-    ADInplaceOrView key so the alias shares ``x``'s version counter: that is how an in-place
-    change of a cached op output is detected later."""
-    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+    """``x.detach()`` sharing ``x``'s version counter, also from inside a ``TorchDispatchMode``
+    (below autograd), where the ADInplaceOrView key is excluded and must be re-enabled for the
+    alias to share the counter: that is how an in-place change of a cached op output is detected
+    later. Above autograd (a saved-tensor hook) a plain detach shares it already, and is cheaper."""
+    if not torch._C._dispatch_tls_is_dispatch_key_excluded(_AD_INPLACE_OR_VIEW):
+        return x.detach()
+    with torch._C._SetExcludeDispatchKeyGuard(_AD_INPLACE_OR_VIEW, False):
         return x.detach()
 
 

@@ -210,6 +210,23 @@ class _NoCompileHook:
         return (_NoCompileHook, (self.hook,))
 
 
+# Tensor types whose bytes and view metadata are the whole tensor (subclasses such as DTensor are not).
+_PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def _submodules(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """``module`` and every module below it, each once, ``module`` first (what
+    ``module.modules()`` yields, without building names)."""
+    out, seen, i = [module], {id(module)}, 0
+    while i < len(out):
+        for sub in out[i]._modules.values():
+            if sub is not None and id(sub) not in seen:
+                seen.add(id(sub))
+                out.append(sub)
+        i += 1
+    return out
+
+
 class TorchBackend(Backend):
     name = "torch"
     module_method = "forward"
@@ -231,8 +248,9 @@ class TorchBackend(Backend):
     def is_tensor(self, x: Any) -> bool:
         return isinstance(x, torch.Tensor)
 
-    def storage_id(self, t: torch.Tensor) -> int:
-        return _shim.storage_key(t)
+    # The per-tensor primitives below run for every saved tensor: the shim's functions are bound
+    # directly (one call instead of two).
+    storage_id = staticmethod(_shim.storage_key)
 
     def storage_nbytes(self, t: torch.Tensor) -> int:
         return t.untyped_storage().nbytes()
@@ -242,14 +260,12 @@ class TorchBackend(Backend):
         # use count = tensors viewing the storage + 1 for the `storage` object held here.
         return _shim.storage_use_count(storage) - 1 - len(aliases)
 
-    def version(self, t: torch.Tensor) -> int:
-        return _shim.version(t)
+    version = staticmethod(_shim.version)
 
     def view_meta(self, t: torch.Tensor) -> ViewMeta:
         return ViewMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device)
 
-    def alias(self, t: torch.Tensor) -> torch.Tensor:
-        return _shim.detach_keeping_version(t)
+    alias = staticmethod(_shim.detach_keeping_version)
 
     def hand_back(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -258,12 +274,12 @@ class TorchBackend(Backend):
         return t.clone()
 
     def unswappable_reason(self, t: torch.Tensor) -> Optional[KeepReason]:
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout is not torch.strided:
+        if type(t) not in _PLAIN_TENSOR_TYPES or t.layout is not torch.strided:
             return KeepReason.UNSUPPORTED_TENSOR
-        if t.device.type == "meta" or t.is_conj() or t.is_neg():
+        if t.is_meta or t.is_conj() or t.is_neg():
             # conj/neg views carry a lazy bit that a view rebuilt from raw bytes would lose
             return KeepReason.UNSUPPORTED_TENSOR
-        if self.accelerator is not None and t.device.type != self.accelerator.type:
+        if self.accelerator is not None and t.is_cpu:
             return KeepReason.ON_HOST
         if t.untyped_storage().nbytes() == 0:
             return KeepReason.EMPTY
@@ -279,9 +295,6 @@ class TorchBackend(Backend):
     # ------------------------------------------------------------------ byte views, allocation, copies
     # Autograd never sees these ops: their inputs are detached aliases and byte tensors that do
     # not require grad, so no grad-mode context is needed around them.
-    def byte_view(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-
     def rebuild_view(self, flat: torch.Tensor, meta: ViewMeta) -> torch.Tensor:
         return torch.empty(0, dtype=meta.dtype, device=flat.device).set_(
             flat.untyped_storage(), meta.offset, meta.size, meta.stride)
@@ -304,7 +317,9 @@ class TorchBackend(Backend):
             _shim.empty_host_cache()
 
     def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=True)
+        # A storage-to-storage copy: the same asynchronous copy on the current stream as
+        # Tensor.copy_, without building a byte view of the source first.
+        dst.untyped_storage().copy_(src.untyped_storage(), non_blocking=True)
 
     def mark_used_by(self, t: torch.Tensor, stream: Any) -> None:
         if stream is not None and t.device.type != "cpu":
@@ -466,8 +481,16 @@ class TorchBackend(Backend):
         return isinstance(x, torch.nn.Module)
 
     def module_tensors(self, module: torch.nn.Module) -> Iterator[torch.Tensor]:
-        yield from module.parameters()
-        yield from module.buffers()
+        # Called on every region call: read the live parameter/buffer dicts (FSDP2 swaps entries
+        # of ``_parameters`` directly, ``_apply`` swaps storages), but skip ``named_modules``'
+        # name building; the caller makes a set, so a shared tensor seen twice does no harm.
+        for m in _submodules(module):
+            for t in m._parameters.values():
+                if t is not None:
+                    yield t
+            for t in m._buffers.values():
+                if t is not None:
+                    yield t
 
     def has_buffers(self, module: torch.nn.Module) -> bool:
         return next(module.buffers(), None) is not None
@@ -489,12 +512,13 @@ class TorchBackend(Backend):
         fsdp = _shim.fsdp_module_class()
         if fsdp is None:
             return
-        for name, sub in module.named_modules():
-            if name and isinstance(sub, fsdp):
-                raise ValueError(
-                    f"checkpoint_wrapper with a policy_fn around a module that contains fully_shard units "
-                    f"({name!r}) is not supported: wrap each layer with checkpoint_wrapper/swap_wrapper "
-                    "first, then apply fully_shard to the layers and the root.")
+        inner = [sub for sub in _submodules(module)[1:] if isinstance(sub, fsdp)]
+        if inner:
+            name = next(n for n, sub in module.named_modules() if sub is inner[0])
+            raise ValueError(
+                f"checkpoint_wrapper with a policy_fn around a module that contains fully_shard units "
+                f"({name!r}) is not supported: wrap each layer with checkpoint_wrapper/swap_wrapper "
+                "first, then apply fully_shard to the layers and the root.")
 
     def register_forward_hooks(self, module: torch.nn.Module, pre: Callable[..., None],
                                post: Callable[..., None]) -> List[Any]:
