@@ -236,8 +236,8 @@ class LayerChain:
                 f"{type(layer).__name__} runs the layer-chain hooks of another layer but is not chained "
                 "itself (a copy.copy of a chained layer shares its hooks). Use copy.deepcopy (the copy gets "
                 "its own chain), or chain the copied layers with wrap_layers / set_forward_prefetch_layer.")
-        link.saved_group_names.append(self._m.get_current_group_name())
-        self._m.set_current_group_name(link.name)
+        link.saved_group_names.append(self._m._current_group_name)
+        self._m._switch_group(link.name)
         prev = self._alive(link.prev)
         fed_by = self._links[prev].last_forward if prev is not None and prev in self._links else None
         record = _Forward(fed_by)
@@ -249,7 +249,7 @@ class LayerChain:
         link = self._links.get(layer)
         if link is None or not link.saved_group_names:
             return False  # our pre-hook never ran (an earlier pre-hook raised): nothing to undo
-        self._m.set_current_group_name(link.saved_group_names.pop())
+        self._m._switch_group(link.saved_group_names.pop())
         self._m._forward_records.pop()
         record = link.forwards.pop()
         if failed:
@@ -300,9 +300,9 @@ class LayerChain:
         fed_by = forward.prev() if forward is not None and forward.prev is not None else None
         if prev is not None and (forward is None or fed_by is not None):
             prev_name = self._links[prev].name
-            theirs = fed_by.live() if fed_by is not None else None
             budget = self._m.prefetch_budget()
-            if self._m._group(prev_name).pending_load_bytes(theirs) and budget != 0:
+            theirs = fed_by.live() if fed_by is not None and budget != 0 else None
+            if budget != 0 and self._m._group(prev_name).pending_load_bytes(theirs):
                 self._m.launch_load(prev_name, storages=theirs, limit_bytes=budget)
         if own.load_pending:
             self._m.wait_load(link.name)

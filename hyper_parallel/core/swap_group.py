@@ -95,6 +95,13 @@ class SwapGroup:
         self._ids: set = set()
         self._offload_events: List[Any] = []
         self._load_events: List[Any] = []
+        # What the launches since the last wait started (strong references: a tensor whose
+        # storage dies in flight is simply skipped by the wait), and the tensors the last offload
+        # launch skipped because somebody else held them: the waits and the layer chain's retry
+        # look at these instead of walking every storage of the group.
+        self._in_d2h: List[SwapTensor] = []
+        self._in_h2d: List[SwapTensor] = []
+        self._skipped_shared: List[SwapTensor] = []
         self.offload_pending = False
         self.offload_cancelled = False  # launch_load cancelled an offload in flight (for wait_offload's message)
         self.load_pending = False
@@ -118,6 +125,13 @@ class SwapGroup:
     def __len__(self) -> int:
         return len(self.storages())
 
+    def has_live_storage(self) -> bool:
+        """Whether a storage of the group is still alive (cheaper than ``len``)."""
+        for r in self._storages:
+            if r() is not None:
+                return True
+        return False
+
     def settle(self) -> None:
         """Bring everything back to the device, synchronously: finish an offload in flight, load
         what is on the host. Used before the manager forgets the group."""
@@ -129,14 +143,20 @@ class SwapGroup:
             self.wait_load()
 
     def _tensors(self, *states: TensorState) -> List[SwapTensor]:
-        return [t for s in self.storages() for t in s.swap_tensors() if t.state in states]
+        out = []
+        for r in self._storages:
+            s = r()
+            if s is not None:
+                out.extend(t for t in s.swap_storage if t.state in states)
+        return out
 
     def has_state(self, state: TensorState) -> bool:
         return bool(self._tensors(state))
 
     def has_retryable(self) -> bool:
-        """Whether an earlier launch skipped tensors that were held elsewhere at the time."""
-        return any(t.retryable for t in self._tensors(TensorState.DEVICE))
+        """Whether the last offload launch skipped tensors that were held elsewhere at the time
+        (and are worth one more try, see ``SwapTensor.retryable``)."""
+        return any(t.retryable for t in self._skipped_shared)
 
     def resident_swap_bytes(self) -> int:
         """Bytes of this group's swap candidates that occupy device memory now."""
@@ -147,6 +167,9 @@ class SwapGroup:
         buffers went back to the pool guarded by their events), so drop the pending state."""
         self._offload_events.clear()
         self._load_events.clear()
+        self._in_d2h.clear()
+        self._in_h2d.clear()
+        self._skipped_shared.clear()
         self.offload_pending = self.load_pending = False
 
     # ------------------------------------------------------------------ ordering points
@@ -186,6 +209,8 @@ class SwapGroup:
     def _launch_offload(self, copy_streams: Callable[[Any], Any]) -> None:
         p = self._b
         todo = [t for t in self._tensors(TensorState.DEVICE) if t.kept_reason is None]
+        skipped: List[SwapTensor] = []
+        self._skipped_shared = skipped
         try:
             for device, tensors in _by_device(todo).items():
                 copy_stream = copy_streams(device)
@@ -200,14 +225,18 @@ class SwapGroup:
                                 started.append(t)
                                 if skipped_before:  # it was counted as kept 'shared' by an earlier launch
                                     self.stats.keep(KeepReason.SHARED, -t.nbytes)
-                            elif reason is not KeepReason.SHARED or not skipped_before:  # count each storage once
-                                self.stats.keep(reason, t.nbytes)
+                            else:
+                                if reason is KeepReason.SHARED:
+                                    skipped.append(t)
+                                if reason is not KeepReason.SHARED or not skipped_before:  # count each storage once
+                                    self.stats.keep(reason, t.nbytes)
                 finally:
                     if started:  # even if a later tensor failed: these copies are queued
                         event = p.record_event(copy_stream)
                         for t in started:
                             t.set_copy_event(event)
                             self.stats.offloaded_bytes += t.nbytes
+                        self._in_d2h.extend(started)
                         self._offload_events.append((device, event))
                         self.offload_pending = True
         finally:
@@ -231,10 +260,13 @@ class SwapGroup:
             for device, event in self._offload_events:
                 self._order_release_after_d2h(device, event)
             waiters: Dict[Any, Any] = {}
-            for t in self._tensors(TensorState.D2H):
+            for t in self._in_d2h:
+                if t.state is not TensorState.D2H:  # cancelled by a load since
+                    continue
                 if t.device not in waiters:
                     waiters[t.device] = self._b.current_stream(t.device)
                 t.wait_offload(waiters[t.device])
+        self._in_d2h.clear()
         self._offload_events.clear()
         self.offload_pending = False
         self.stats.wait_offload_s += time.perf_counter() - t0
@@ -275,7 +307,9 @@ class SwapGroup:
         for t in wanted:
             if t.state is TensorState.D2H:
                 t.async_load()
-        if not self._tensors(TensorState.D2H):
+        if self._in_d2h and not any(t.state is TensorState.D2H for t in self._in_d2h):
+            self._in_d2h.clear()
+        if not self._in_d2h:
             self.offload_cancelled = self.offload_pending
             self._offload_events.clear()
             self.offload_pending = False
@@ -305,6 +339,7 @@ class SwapGroup:
                             t.set_copy_event(event)
                             self.stats.loaded_bytes += t.nbytes
                             issued_bytes += t.nbytes
+                        self._in_h2d.extend(issued)
                         self._load_events.append((device, event))
                         self.load_pending = True
         finally:
@@ -322,10 +357,13 @@ class SwapGroup:
             for device, event in self._load_events:
                 self._order_use_after_h2d(device, event)
             waiters: Dict[Any, Any] = {}
-            for t in self._tensors(TensorState.H2D):
+            for t in self._in_h2d:
+                if t.state is not TensorState.H2D:
+                    continue
                 if t.device not in waiters:
                     waiters[t.device] = self._b.current_stream(t.device)
                 t.wait_load(waiter=waiters[t.device])
+        self._in_h2d.clear()
         self._load_events.clear()
         self.load_pending = False
         self.stats.wait_load_s += time.perf_counter() - t0

@@ -178,7 +178,7 @@ class SwapManager:
         its pending state goes, and unless the layer chain owns it or it is current, the group
         goes too, so per-step or per-micro-batch names never accumulate."""
         group = self._groups.get(name)
-        if group is None or len(group) != 0:
+        if group is None or group.has_live_storage():
             return
         group.forget_in_flight()
         if not group.persistent and name != self._current_group_name:
@@ -220,6 +220,13 @@ class SwapManager:
             previous, self._current_group_name = self._current_group_name, group_name
             if previous is not None and previous != group_name:
                 self._forget_if_empty(previous)
+
+    def _switch_group(self, group_name: Optional[str]) -> None:
+        """``set_current_group_name`` for the layer chain, which holds the lock and passes a name
+        that was valid already (a chained layer's group, or the name it replaced)."""
+        previous, self._current_group_name = self._current_group_name, group_name
+        if previous is not None and previous != group_name:
+            self._forget_if_empty(previous)
 
     def discard_group(self, group_name: str) -> None:
         """Forget group ``group_name`` without moving anything (no-op if unknown): storages of it

@@ -210,6 +210,7 @@ class _NoCompileHook:
         return (_NoCompileHook, (self.hook,))
 
 
+_CPU = torch.device("cpu")
 # Tensor types whose bytes and view metadata are the whole tensor (subclasses such as DTensor are not).
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
@@ -263,7 +264,7 @@ class TorchBackend(Backend):
     version = staticmethod(_shim.version)
 
     def view_meta(self, t: torch.Tensor) -> ViewMeta:
-        return ViewMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device)
+        return ViewMeta(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)  # Size and stride are tuples
 
     alias = staticmethod(_shim.detach_keeping_version)
 
@@ -329,7 +330,7 @@ class TorchBackend(Backend):
     def device_key(self, meta: ViewMeta) -> Any:
         # Streams and events belong to one device: a model moved to cuda:1 without
         # torch.cuda.set_device(1) computes on cuda:1's current stream, not the current device's.
-        return meta.device if meta.device.type != "cpu" else None
+        return None if meta.device == _CPU else meta.device  # (device.type builds a string: slower)
 
     def current_stream(self, device: Any = None) -> Any:
         return self._dm.current_stream(device) if self._dm is not None else None
@@ -474,6 +475,8 @@ class TorchBackend(Backend):
         return tree_map(fn, tree)
 
     def tree_leaves(self, tree: Any) -> List[Any]:
+        if isinstance(tree, torch.Tensor):  # the common case (a layer's output), without pytree
+            return [tree]
         return tree_leaves(tree)
 
     # ------------------------------------------------------------------ modules and hooks
