@@ -1,5 +1,5 @@
 """The memory-bounded load schedule of the layer chain: the CPU default (copies are synchronous:
-offload at once, load on demand), a byte budget for what is prefetched ahead, loads of only the
+offload at once, each tensor loaded when backward uses it), a byte budget for what is prefetched ahead, loads of only the
 forward whose backward runs (gradient accumulation), and the memory that buys."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ N_LAYERS = 4
 
 # CPU default: every layer offloads and waits at once (the last one too), its predecessor's input
 # (held by the caller at the first launch) is retried when the next layer ends and waited one
-# layer later; backward loads each layer on demand, nothing ahead.
+# layer later; backward makes no load call: each offloaded tensor is loaded when autograd unpacks it.
 CPU_FORWARD_CALLS = [
     ("launch_offload", "layer_0"), ("wait_offload", "layer_0"),
     ("launch_offload", "layer_1"), ("wait_offload", "layer_1"), ("launch_offload", "layer_0"),
@@ -26,12 +26,7 @@ CPU_FORWARD_CALLS = [
     ("wait_offload", "layer_0"),
     ("launch_offload", "layer_3"), ("wait_offload", "layer_3"), ("wait_offload", "layer_1"),
 ]
-CPU_BACKWARD_CALLS = [
-    ("launch_load", "layer_3"), ("wait_load", "layer_3"),
-    ("launch_load", "layer_2"), ("wait_load", "layer_2"),
-    ("launch_load", "layer_1"), ("wait_load", "layer_1"),
-    ("launch_load", "layer_0"), ("wait_load", "layer_0"),
-]
+CPU_BACKWARD_CALLS: list = []
 
 
 def _swapped_net(**kw) -> ToyNet:
@@ -47,6 +42,13 @@ def test_cpu_default_offloads_at_once_and_loads_on_demand():
     assert not mgr.copies_overlap() and mgr.prefetch_budget() == 0
     net = _swapped_net(dropout=0.1)
     x = make_input(net)
+    at_start = []
+
+    def note(i):  # a grad hook on layer i's output, registered after the chain's own
+        return lambda g: at_start.append((i, mgr._group(f"layer_{i}").resident_swap_bytes()))
+
+    for i, layer in enumerate(net.layers):
+        layer.register_forward_hook(lambda m, a, out, i=i: [out.register_hook(note(i)), None][1])
     with ManagerSpy() as spy:
         torch.manual_seed(0)
         loss = net(x)
@@ -54,9 +56,16 @@ def test_cpu_default_offloads_at_once_and_loads_on_demand():
         # after forward only the last two layers' inputs are left (held by the caller when their
         # groups were launched, and no later layer end retries them)
         assert mgr.resident_swap_bytes() <= 2 * x.nbytes
+        after_forward = {i: mgr._group(f"layer_{i}").resident_swap_bytes() for i in range(N_LAYERS)}
         spy.clear()
+        # When each layer's backward starts (its output's gradient is ready), none of its
+        # offloaded tensors is on the device yet: they come back one by one as autograd uses them
+        # (a per-layer load would have brought the whole layer back here).
         loss.backward()
         assert spy.calls == CPU_BACKWARD_CALLS
+        assert [i for i, _ in at_start] == [3, 2, 1, 0]
+        # what is resident then is what never left (the inputs held by the caller), not a load
+        assert at_start == [(i, after_forward[i]) for i in (3, 2, 1, 0)], (at_start, after_forward)
     reference = ToyNet(layers=N_LAYERS, dropout=0.1)
     torch.manual_seed(0)
     reference(x).backward()
@@ -172,3 +181,44 @@ def test_swap_peak_is_no_higher_than_recompute_on_cpu():
     _, swap = _step_peaks("swap_wrapper")
     _, none = _step_peaks("none")
     assert swap <= recompute < none
+
+
+def _gpt_step(mode: str, cfg: GPTConfig):
+    """One metered step of the bench GPT: (forward peak, step peak, gradients)."""
+    tokens, targets = make_batch(cfg, 2, seed=0)
+    SwapManager().reset()
+    model = GPT(cfg, seed=0)
+    if mode == "recompute":
+        wrap_layers(model.layers, chain=False)
+    elif mode == "swap_wrapper":
+        wrap_layers(model.layers, swap=True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with MemoryMeter("cpu", track=[model], scan_gc=False) as meter:
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        forward_peak = meter.peak_above_baseline
+        loss.backward()
+    return forward_peak, meter.peak_above_baseline, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_cpu_default_offloads_dropped_tensors_during_the_layer(monkeypatch):
+    """Where copies are synchronous, what a chained layer saved and its forward already dropped is
+    offloaded while the layer runs (every EARLY_OFFLOAD_CHUNK saved bytes), as save_on_cpu would:
+    the forward peak falls below recompute's, which it does not when offloads wait for the layer's
+    end; gradients stay bitwise equal. Live-storage meter, not the library's counters."""
+    import hyper_parallel.core.layer_chain as layer_chain
+
+    cfg = GPTConfig(vocab=64, dim=128, heads=2, layers=4, seq=256, dropout=0.0)  # ~1 MiB tensors
+    assert SwapManager()._waits_offload_at_once()
+    fwd_none, _, expected = _gpt_step("none", cfg)
+    fwd_recompute, step_recompute, _ = _gpt_step("recompute", cfg)
+    fwd_swap, step_swap, got = _gpt_step("swap_wrapper", cfg)
+    assert_tensors_equal(got, expected, "early offload")
+    early = SwapManager().stats()
+    assert early["offloaded_bytes"] == early["loaded_bytes"] > 0
+    monkeypatch.setattr(layer_chain, "EARLY_OFFLOAD_CHUNK", 1 << 40)  # offload at the layer's end only
+    fwd_late, _, _ = _gpt_step("swap_wrapper", cfg)
+    late = SwapManager().stats()
+    assert early["offload_launches"] > late["offload_launches"]
+    assert fwd_swap <= fwd_recompute < fwd_late < fwd_none
+    assert step_swap <= step_recompute

@@ -21,7 +21,11 @@ from typing import Any, List, Optional
 
 from .swap_tensor import TensorState
 
-__all__ = ["LayerChain"]
+__all__ = ["LayerChain", "EARLY_OFFLOAD_CHUNK"]
+
+#: Where copies are synchronous, a chained layer's dropped saved tensors are offloaded during its
+#: forward each time this many more bytes were saved (see ``LayerChain.forward_start``).
+EARLY_OFFLOAD_CHUNK = 1 << 20
 
 
 class _Forward:
@@ -238,6 +242,15 @@ class LayerChain:
                 "its own chain), or chain the copied layers with wrap_layers / set_forward_prefetch_layer.")
         link.saved_group_names.append(self._m._current_group_name)
         self._m._switch_group(link.name)
+        group = self._m._group(link.name)
+        if self._m._waits_offload_at_once():
+            # Copies are synchronous: what the layer saved and the forward has dropped goes to the
+            # host as the layer runs (checked once per EARLY_OFFLOAD_CHUNK saved bytes, so that
+            # layers of small tensors pay nothing), which bounds the forward like save_on_cpu.
+            group.on_saved, group.early_chunk = self._m._offload_dead, EARLY_OFFLOAD_CHUNK
+            group.load_on_use = self._m._load_on_use
+        else:
+            group.on_saved = group.load_on_use = None
         prev = self._alive(link.prev)
         fed_by = self._links[prev].last_forward if prev is not None and prev in self._links else None
         record = _Forward(fed_by)
@@ -257,6 +270,10 @@ class LayerChain:
         link.last_forward = record
         has_next = link.next is not None and link.next() is not None
         at_once = self._m._waits_offload_at_once()
+        group = self._m._group(link.name)
+        # Where copies are synchronous nothing is gained by loading ahead: backward loads each
+        # offloaded tensor when autograd uses it (and frees it after), as save_on_cpu does.
+        group.load_on_use = self._m._load_on_use if at_once else None
         if has_next or at_once:
             self._m.launch_offload(link.name)
             if at_once:
@@ -293,9 +310,10 @@ class LayerChain:
         if link is None:  # the chain was reset while a graph was alive
             return
         own = self._m._group(link.name)
-        mine = forward.live() if forward is not None else None
-        if own.pending_load_bytes(mine):
-            self._m.launch_load(link.name, storages=mine)
+        if own.load_on_use is None:  # (else each tensor is loaded when backward uses it)
+            mine = forward.live() if forward is not None else None
+            if own.pending_load_bytes(mine):
+                self._m.launch_load(link.name, storages=mine)
         prev = self._alive(link.prev)
         fed_by = forward.prev() if forward is not None and forward.prev is not None else None
         if prev is not None and (forward is None or fed_by is not None):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .backend import Backend
 from .keep_reason import KeepReason
@@ -34,6 +34,12 @@ class Storage:
         self._on_device: Dict[int, SwapTensor] = {}
         self.swap_storage: List[SwapTensor] = []
         self.save_bytes = 0
+        # Early offload (the layer chain where copies are synchronous): called with this storage
+        # each time ``early_chunk`` more bytes were saved, to offload what only the swap system
+        # still holds, as save_on_cpu would have, instead of keeping it to the end of the layer.
+        self.on_saved: Optional[Callable[["Storage"], None]] = None
+        self.early_chunk = 0
+        self._unscanned_bytes = 0
 
     def add_swap(self, tensor: Any, key: Optional[int] = None) -> SwapView:
         """Register a tensor to be swapped; returns the handle to read it back with. ``key``:
@@ -47,7 +53,13 @@ class Storage:
         st = SwapTensor(self._b, self._pool, self.group_name, tensor)
         self._on_device[key] = st
         self.swap_storage.append(st)
-        return SwapView(st, 0, self)
+        view = SwapView(st, 0, self)
+        if self.on_saved is not None:
+            self._unscanned_bytes += st.nbytes
+            if self._unscanned_bytes >= self.early_chunk:
+                self._unscanned_bytes = 0  # held tensors are looked at again one chunk later
+                self.on_saved(self)
+        return view
 
     def add_save(self, nbytes: int, reason: KeepReason) -> None:
         """Count bytes that stay on the device (a SAVE decision, a parameter...)."""

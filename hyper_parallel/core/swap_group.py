@@ -105,6 +105,13 @@ class SwapGroup:
         self.offload_pending = False
         self.offload_cancelled = False  # launch_load cancelled an offload in flight (for wait_offload's message)
         self.load_pending = False
+        # Given to the tensors this group offloads (``SwapTensor.load_on_use``): set by the layer
+        # chain where copies are synchronous, so that backward loads each tensor when it is used.
+        self.load_on_use: Optional[Callable[[SwapTensor], None]] = None
+        # Given to the storages made in this group (``Storage.on_saved``, with its chunk in bytes):
+        # set by the layer chain where copies are synchronous.
+        self.on_saved: Optional[Callable[[Any], None]] = None
+        self.early_chunk = 0
 
     # ------------------------------------------------------------------ content
     def add(self, storage: Any) -> None:
@@ -206,9 +213,17 @@ class SwapGroup:
         with self._b.trace_range(f"hyper_parallel.launch_offload[{self.name}]"):
             self._launch_offload(copy_streams)
 
-    def _launch_offload(self, copy_streams: Callable[[Any], Any]) -> None:
+    def offload_now(self, tensors: Sequence[SwapTensor], copy_streams: Callable[[Any], Any]) -> None:
+        """Offload ``tensors`` and wait: one launch and its wait (the layer chain's early
+        offload where copies are synchronous, see ``Storage.on_saved``)."""
+        with self._b.trace_range(f"hyper_parallel.launch_offload[{self.name}]"):
+            self._launch_offload(copy_streams, list(tensors))
+        self.wait_offload()
+
+    def _launch_offload(self, copy_streams: Callable[[Any], Any], tensors: Optional[List[SwapTensor]] = None) -> None:
         p = self._b
-        todo = [t for t in self._tensors(TensorState.DEVICE) if t.kept_reason is None]
+        todo = tensors if tensors is not None else \
+            [t for t in self._tensors(TensorState.DEVICE) if t.kept_reason is None]
         skipped: List[SwapTensor] = []
         self._skipped_shared = skipped
         try:
@@ -235,6 +250,7 @@ class SwapGroup:
                         event = p.record_event(copy_stream)
                         for t in started:
                             t.set_copy_event(event)
+                            t.load_on_use = self.load_on_use
                             self.stats.offloaded_bytes += t.nbytes
                         self._in_d2h.extend(started)
                         self._offload_events.append((device, event))
@@ -291,10 +307,37 @@ class SwapGroup:
         chosen = self.storages() if storages is None else [s for s in storages if s is not None]
         return [t for s in reversed(chosen) for t in reversed(list(s.swap_tensors())) if t.state in states]
 
-    def _launch_load(self, copy_streams: Callable[[Any], Any], storages: Optional[Sequence[Any]] = None,
-                     limit_bytes: Optional[int] = None) -> int:
+    def load_now(self, t: SwapTensor, copy_streams: Callable[[Any], Any]) -> None:
+        """Load the offloaded tensor ``t`` and make compute wait for it: a launch and its wait for
+        one tensor, the same transitions and ordering points as ``launch_load`` + ``wait_load``,
+        without their bookkeeping of several tensors (the layer chain's load on use, where copies
+        are synchronous: see ``SwapTensor.load_on_use``)."""
         p = self._b
-        wanted = self._in_backward_order(storages, TensorState.HOST, TensorState.D2H)
+        with p.trace_range(f"hyper_parallel.launch_load[{self.name}]"):
+            if not t.async_load():
+                return  # an offload in flight was cancelled: the source is still on the device
+            device = t.device
+            copy_stream = copy_streams(device)
+            self._order_h2d_after_allocation(copy_stream, device)
+            try:
+                with p.stream_context(copy_stream):
+                    t.copy_in(copy_stream)
+            finally:
+                if not t.load_issued:
+                    t.unload()
+            event = p.record_event(copy_stream)
+            t.set_copy_event(event)
+            self.stats.loaded_bytes += t.nbytes
+            self.stats.load_launches += 1
+        with p.trace_range(f"hyper_parallel.wait_load[{self.name}]"):
+            self._order_use_after_h2d(device, event)
+            t.wait_load(waiter=p.current_stream(device))
+
+    def _launch_load(self, copy_streams: Callable[[Any], Any], storages: Optional[Sequence[Any]] = None,
+                     limit_bytes: Optional[int] = None, tensors: Optional[List[SwapTensor]] = None) -> int:
+        p = self._b
+        wanted = tensors if tensors is not None else \
+            self._in_backward_order(storages, TensorState.HOST, TensorState.D2H)
         if limit_bytes is not None:
             budget, chosen = limit_bytes, []
             for t in wanted:

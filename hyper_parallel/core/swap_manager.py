@@ -12,6 +12,7 @@ from .host_pool import HostBufferPool
 from .layer_chain import LayerChain
 from .storage import Storage
 from .swap_group import GroupStats, SwapGroup
+from .swap_tensor import TensorState
 
 __all__ = ["SwapManager", "DEFAULT_GROUP"]
 
@@ -141,6 +142,8 @@ class SwapManager:
             name = group_name or self._current_group_name or DEFAULT_GROUP
             group = self._group(name, create=True)
             storage = Storage(self.backend, self._pool, name, group.stats)
+            if group.on_saved is not None:
+                storage.on_saved, storage.early_chunk = group.on_saved, group.early_chunk
             self.add_storage(name, storage)
             if self._forward_records:
                 self._forward_records[-1].add(storage)
@@ -220,6 +223,25 @@ class SwapManager:
             previous, self._current_group_name = self._current_group_name, group_name
             if previous is not None and previous != group_name:
                 self._forget_if_empty(previous)
+
+    def _load_on_use(self, tensor: Any) -> None:
+        """``SwapTensor.load_on_use`` of the layer chain's groups where copies are synchronous:
+        autograd unpacks an offloaded tensor; load it now (through its group, so the statistics
+        and the pool see it)."""
+        with self._locked():
+            group = self._groups.get(tensor.group_name)
+            if group is not None and tensor.state is TensorState.HOST:
+                group.load_now(tensor, self._copy_stream_for)
+
+    def _offload_dead(self, storage: Storage) -> None:
+        """``Storage.on_saved`` of the layer chain's groups where copies are synchronous: offload
+        the storage's tensors that the forward no longer holds, now rather than at the layer's end."""
+        with self._locked():
+            group = self._groups.get(storage.group_name)
+            if group is not None and not group.offload_pending:
+                dead = [t for t in storage.swap_storage if t.held_only_by_us]
+                if dead:
+                    group.offload_now(dead, self._copy_stream_for)
 
     def _switch_group(self, group_name: Optional[str]) -> None:
         """``set_current_group_name`` for the layer chain, which holds the lock and passes a name

@@ -24,7 +24,7 @@ storage that dies while its copy is in flight. Each of these is one method (``_p
 from __future__ import annotations
 
 import enum
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 from .backend import Backend
 from .keep_reason import KeepReason
@@ -49,7 +49,7 @@ class SwapTensor:
     # One is made per saved storage: slots keep the constructor and attribute reads cheap.
     __slots__ = ("_b", "_pool", "group_name", "nbytes", "state", "_aliases", "_versions", "_metas", "_src",
                  "_host", "_dev", "_views", "released", "_host_guard", "kept_reason", "shared_skips", "device",
-                 "producers", "_copy_stream", "_dev_stream", "_load_event", "_ready", "_load_issued",
+                 "producers", "_copy_stream", "_dev_stream", "_load_event", "_ready", "_load_issued", "load_on_use",
                  "__weakref__")
 
     def __init__(self, backend: Backend, pool: Any, group_name: str, alias: Any) -> None:
@@ -83,6 +83,10 @@ class SwapTensor:
         self._load_event: Any = None   # the event after the H2D copy into ``_dev``
         self._ready: List[Any] = []    # streams known to be ordered after ``_load_event``
         self._load_issued = False      # in state h2d: the copy was issued (not only the allocation)
+        # Set by the group that offloaded it when nothing schedules its load (the layer chain where
+        # copies are synchronous): get_val then loads it, as save_on_cpu's unpack does, so that
+        # backward holds only the reloaded tensors in use, not a whole layer.
+        self.load_on_use: Optional[Callable[["SwapTensor"], None]] = None
 
     # ----------------------------------------------------------------- bookkeeping
     def _note_producer(self) -> None:
@@ -113,6 +117,13 @@ class SwapTensor:
         if self._aliases is not None and self._b.storage_other_holders(self._aliases) > 0:
             return False
         return True
+
+    @property
+    def held_only_by_us(self) -> bool:
+        """On the device, never moved, not kept, and nobody but the swap system holds the
+        storage: offloading it now frees its memory."""
+        return (self.state is TensorState.DEVICE and self.kept_reason is None and self._aliases is not None
+                and self._b.storage_other_holders(self._aliases) == 0)
 
     def add_alias(self, alias: Any) -> int:
         """Register one more saved tensor viewing this storage; returns its index."""
@@ -157,6 +168,10 @@ class SwapTensor:
             # The copy only reads the source, which stays intact until wait_offload.
             return self._b.rebuild_view(self._src, self._metas[index])
         if state is TensorState.HOST:
+            if self.load_on_use is not None:
+                self.load_on_use(self)
+                if self.state is TensorState.DEVICE:
+                    return self._b.rebuild_view(self._dev, self._metas[index])
             raise RuntimeError(
                 f"a saved tensor of swap group '{self.group_name}' is on the host (state 'host'): it was "
                 "offloaded and never loaded back. Call SwapManager().launch_load"
