@@ -345,8 +345,9 @@ class SwapManager:
 
         The default (until this is called, and after :meth:`reset`) depends on the device: the
         RFC's schedule where copies overlap compute (a copy stream), and ``0`` where they cannot
-        (CPU: copies are synchronous, so loading on demand costs no time and keeps only the
-        running layer on the device; offloads are then also waited as soon as they are launched).
+        (CPU: copies are synchronous, so the chain follows memory as ``save_on_cpu`` does: a
+        layer's dropped saved tensors are offloaded while it runs, the rest when it ends, and
+        backward loads each tensor when autograd uses it; see ``core/layer_chain.py``).
 
         Example::
 
