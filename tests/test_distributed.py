@@ -64,7 +64,9 @@ def _assert_clean(res: Dict[str, Any]) -> None:
 def test_ddp_recompute_and_swap_match_single_process(dist_results):
     for res in results(dist_results, "ddp"):
         assert res["max_diff"] <= ATOL, res
-        assert res["offloaded_bytes"] > 0 and res["loaded_bytes"] == res["offloaded_bytes"], res
+        # On CPU backward loads each tensor when autograd uses it, and the checkpointed layers'
+        # early stop never asks for their last swapped matmul output: it is not loaded at all.
+        assert 0 < res["loaded_bytes"] <= res["offloaded_bytes"], res
         assert res["kept_bytes"].get("parameter", 0) > 0, res  # parameters are never candidates
         assert res["kept_bytes"].get("shared", 0) > 0, res     # the mask / layer inputs stay
         _assert_clean(res)
