@@ -211,6 +211,7 @@ class _NoCompileHook:
 
 
 _CPU = torch.device("cpu")
+_NO_RANGE = contextlib.nullcontext()  # reusable: nullcontext keeps no state
 # Tensor types whose bytes and view metadata are the whole tensor (subclasses such as DTensor are not).
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
@@ -350,7 +351,7 @@ class TorchBackend(Backend):
         # one while a profiler is running.
         if _shim.profiler_enabled():
             return torch.profiler.record_function(name)
-        return contextlib.nullcontext()
+        return _NO_RANGE
 
     # ------------------------------------------------------------------ random numbers
     def rng_state(self, args: Sequence[Any]) -> Any:
