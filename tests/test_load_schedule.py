@@ -222,3 +222,27 @@ def test_cpu_default_offloads_dropped_tensors_during_the_layer(monkeypatch):
     assert early["offload_launches"] > late["offload_launches"]
     assert fwd_swap <= fwd_recompute < fwd_late < fwd_none
     assert step_swap <= step_recompute
+
+
+def test_cpu_default_gradient_accumulation_with_early_offload():
+    """Two forwards before their backwards, each layer saving ~1 MiB tensors (so the early offload
+    runs): every offloaded tensor comes back when its own backward uses it, gradients bitwise."""
+    cfg = GPTConfig(vocab=64, dim=128, heads=2, layers=3, seq=256, dropout=0.0)
+    batches = [make_batch(cfg, 2, seed=s) for s in (0, 1)]
+
+    def run(swap: bool):
+        SwapManager().reset()
+        model = GPT(cfg, seed=0)
+        if swap:
+            wrap_layers(model.layers, swap=True)
+        losses = [torch.nn.functional.cross_entropy(model(t).flatten(0, 1), y.flatten()) for t, y in batches]
+        for loss in reversed(losses):  # the second forward's backward first
+            loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    expected = run(False)
+    got = run(True)
+    assert_tensors_equal(got, expected, "accumulated, early offload")
+    s = SwapManager().stats()
+    assert 0 < s["loaded_bytes"] <= s["offloaded_bytes"] and s["host_pool"]["in_use_bytes"] == 0
+    assert s["offload_launches"] > 2 * cfg.layers  # more than one launch per layer and forward: early ones
