@@ -95,8 +95,9 @@ class SwapGroup:
         self._ids: set = set()
         self._offload_events: List[Any] = []
         self._load_events: List[Any] = []
-        # What the launches since the last wait started (strong references: a tensor whose
-        # storage dies in flight is simply skipped by the wait), and the tensors the last offload
+        # What the launches since the last wait started (strong references: a tensor whose region
+        # died in flight is still waited, then freed; ``forget_in_flight`` drops them when nothing
+        # will wait), and the tensors the last offload
         # launch skipped because somebody else held them: the waits and the layer chain's retry
         # look at these instead of walking every storage of the group.
         self._in_d2h: List[SwapTensor] = []
@@ -220,10 +221,9 @@ class SwapGroup:
             self._launch_offload(copy_streams, list(tensors))
         self.wait_offload()
 
-    def _launch_offload(self, copy_streams: Callable[[Any], Any], tensors: Optional[List[SwapTensor]] = None) -> None:
+    def _launch_offload(self, copy_streams: Callable[[Any], Any], only: Optional[List[SwapTensor]] = None) -> None:
         p = self._b
-        todo = tensors if tensors is not None else \
-            [t for t in self._tensors(TensorState.DEVICE) if t.kept_reason is None]
+        todo = only if only is not None else [t for t in self._tensors(TensorState.DEVICE) if t.kept_reason is None]
         skipped: List[SwapTensor] = []
         self._skipped_shared = skipped
         try:
