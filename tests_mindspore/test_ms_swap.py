@@ -335,6 +335,29 @@ def test_layer_chain_offloads_and_prefetches(kind):
     assert stats["host_pool"]["in_use_bytes"] == 0
 
 
+def test_cpu_default_offloads_dropped_tensors_early_and_loads_on_use():
+    """Tensors of 2 MiB (above the layer chain's 1 MiB early-offload chunk) where copies are
+    synchronous: dropped saved tensors leave during the layer (more launches than layers), each
+    offloaded tensor comes back when backward uses it; gradients bitwise equal."""
+    mgr = SwapManager()
+    if mgr.copies_overlap():
+        pytest.skip("the early offload and loads on use are the schedule where copies are synchronous (CPU)")
+    d, rows = 512, 1024
+    x = Tensor(np.random.RandomState(1).randn(rows, d).astype(np.float32))
+    ref_net = _stack(d=d)
+    ref = grads(ref_net, ref_net.trainable_params(), x)
+    net = _stack(d=d)
+    for layer in net.layers:
+        swap_wrapper(layer)
+    _chain(net.layers)
+    got = grads(net, net.trainable_params(), x)
+    assert_all_equal([ref[0]] + ref[1], [got[0]] + got[1])
+    stats = mgr.stats()
+    assert stats["offload_launches"] > len(net.layers), stats  # early launches during the layers
+    assert 0 < stats["loaded_bytes"] <= stats["offloaded_bytes"], stats
+    assert stats["host_pool"]["in_use_bytes"] == 0
+
+
 def test_host_pool_reaches_steady_state():
     net = _stack()
     for layer in net.layers:
