@@ -85,6 +85,9 @@ class SwapManager:
     _lock = threading.Lock()
 
     def __new__(cls) -> "SwapManager":
+        inst = cls._instance
+        if inst is not None:  # every region calls this: no lock once the singleton exists
+            return inst
         with cls._lock:
             if cls._instance is None:
                 inst = super().__new__(cls)
