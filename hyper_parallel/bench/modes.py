@@ -132,7 +132,8 @@ def chain_layers(layers) -> None:
 
     After this a layer's swapped activations are offloaded when the next layer
     has run its forward and prefetched when the next layer starts its backward;
-    the last layer is never offloaded.
+    the last layer is never offloaded (the RFC's schedule, with a copy stream; on a
+    CPU build the chain follows memory instead, see ``SwapManager.set_prefetch_budget``).
     """
     manager = _api().SwapManager()
     layers = list(layers)

@@ -287,7 +287,7 @@ class LayerChain:
             if at_once:
                 # Copies are synchronous (no copy stream): waiting now loses no overlap and frees
                 # this layer's device memory one layer earlier; for the same reason the last layer
-                # is offloaded too (its backward loads it on demand), so the head's forward and
+                # is offloaded too (its backward loads each tensor when used), so the head's forward and
                 # backward do not run next to it.
                 self._m.wait_offload(link.name)
         prev = link.prev() if link.prev is not None else None
