@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hyper_parallel.bench.model import GPT, GPTConfig, make_batch
+from hyper_parallel.bench.modes import swap_matmuls
 from hyper_parallel.core.activation_checkpoint import SwapManager, checkpoint_wrapper, swap_wrapper, wrap_layers
 from hyper_parallel.core.swap_tensor import TensorState
 from hyper_parallel.tools.memory import MemoryMeter
@@ -192,6 +193,8 @@ def _gpt_step(mode: str, cfg: GPTConfig):
         wrap_layers(model.layers, chain=False)
     elif mode == "swap_wrapper":
         wrap_layers(model.layers, swap=True)
+    elif mode == "swap":
+        wrap_layers(model.layers, policy_fn=swap_matmuls, swap_inputs=True)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     with MemoryMeter("cpu", track=[model], scan_gc=False) as meter:
@@ -246,3 +249,21 @@ def test_cpu_default_gradient_accumulation_with_early_offload():
     s = SwapManager().stats()
     assert 0 < s["loaded_bytes"] <= s["offloaded_bytes"] and s["host_pool"]["in_use_bytes"] == 0
     assert s["offload_launches"] > 2 * cfg.layers  # more than one launch per layer and forward: early ones
+
+
+def test_cpu_default_offloads_swapped_outputs_between_the_ops_of_a_selective_region(monkeypatch):
+    """MUST_SWAP matmul outputs (+ swapped inputs) of checkpointed, chained layers: where copies are
+    synchronous, an output the forward has dropped leaves at the region's next op, so the forward
+    peak is no higher than recompute's; only at the next swapped op or the layer's end (the
+    control) it is higher. Gradients bitwise; live-storage meter."""
+    from hyper_parallel.core.storage import Storage
+
+    cfg = GPTConfig(vocab=64, dim=128, heads=2, layers=4, seq=256, dropout=0.0)
+    _, _, expected = _gpt_step("none", cfg)
+    fwd_recompute, step_recompute, _ = _gpt_step("recompute", cfg)
+    fwd_swap, step_swap, got = _gpt_step("swap", cfg)
+    assert_tensors_equal(got, expected, "selective swap, early offload")
+    assert fwd_swap <= fwd_recompute and step_swap <= step_recompute
+    monkeypatch.setattr(Storage, "offload_dropped", lambda self: None)
+    fwd_late, _, _ = _gpt_step("swap", cfg)
+    assert fwd_late > fwd_recompute

@@ -143,6 +143,7 @@ class SelectiveRegion:
         self.allow_mutation = allow_cache_entry_mutation
         self.log = OpLog()
         self._storage_factory = storage_factory
+        self._swap_storage: Optional[Any] = None  # the storage MUST_SWAP outputs went to, once there is one
         self._kinds: Dict[Any, OpKind] = {}
         # storage id -> (op key, index) of kept outputs viewing it: an in-place op on one of them
         # later in the forward destroys the value that was kept (see ``_forget_mutated``).
@@ -161,6 +162,10 @@ class SelectiveRegion:
         """Run one op of the region's forward and keep its output if the policy says so."""
         if self.suspended:
             return _run(func, args, kwargs)  # an excluded sub-module: recomputation skips it whole
+        if self._swap_storage is not None:
+            # Swapped outputs the forward dropped since the last op can leave now (early offload,
+            # where copies are synchronous), not only at the next swapped op or the layer's end.
+            self._swap_storage.offload_dropped()
         kind = self._kind(func)
         if kind is OpKind.MACHINERY:
             return _run(func, args, kwargs)
@@ -340,7 +345,8 @@ class SelectiveRegion:
             storage = self._storage_factory()
             storage.add_save(0 if reason is KeepReason.UNSUPPORTED_TENSOR else b.storage_nbytes(alias), reason)
             return Saved(alias, b.version, check=not self.allow_mutation)
-        return self._storage_factory().add_swap(alias)
+        storage = self._swap_storage = self._storage_factory()
+        return storage.add_swap(alias)
 
     def _take(self, x: Any) -> Any:
         if isinstance(x, (Saved, SwapView)):

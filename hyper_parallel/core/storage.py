@@ -39,7 +39,8 @@ class Storage:
         # still holds, as save_on_cpu would have, instead of keeping it to the end of the layer.
         self.on_saved: Optional[Callable[["Storage"], None]] = None
         self.early_chunk = 0
-        self._unscanned_bytes = 0
+        self._unscanned_bytes = 0  # saved since the last look
+        self._held_bytes = 0       # still held by the forward at the last look
 
     def add_swap(self, tensor: Any, key: Optional[int] = None) -> SwapView:
         """Register a tensor to be swapped; returns the handle to read it back with. ``key``:
@@ -60,6 +61,27 @@ class Storage:
                 self._unscanned_bytes = 0  # held tensors are looked at again one chunk later
                 self.on_saved(self)
         return view
+
+    def dropped(self) -> List[SwapTensor]:
+        """The swap candidates that only the swap system still holds (the forward dropped them):
+        offloading them now frees their memory. Notes the bytes the forward still holds."""
+        out: List[SwapTensor] = []
+        held = 0
+        for t in self.swap_storage:
+            if t.held_only_by_us:
+                out.append(t)
+            elif t.state is TensorState.DEVICE and t.kept_reason is None and t.holds_aliases:
+                held += t.nbytes
+        self._held_bytes = held
+        return out
+
+    def offload_dropped(self) -> None:
+        """Called by a selective region between two ops of its forward (outputs the forward has
+        just let go of are dropped there): with early offload on, and at least ``early_chunk``
+        bytes saved or still held, offload what was dropped (``on_saved``)."""
+        if self.on_saved is not None and self._held_bytes + self._unscanned_bytes >= self.early_chunk:
+            self._unscanned_bytes = 0
+            self.on_saved(self)
 
     def add_save(self, nbytes: int, reason: KeepReason) -> None:
         """Count bytes that stay on the device (a SAVE decision, a parameter...)."""

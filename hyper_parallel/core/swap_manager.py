@@ -242,7 +242,7 @@ class SwapManager:
         with self._locked():
             group = self._groups.get(storage.group_name)
             if group is not None and not group.offload_pending:
-                dead = [t for t in storage.swap_storage if t.held_only_by_us]
+                dead = storage.dropped()
                 if dead:
                     group.offload_now(dead, self._copy_stream_for)
 
