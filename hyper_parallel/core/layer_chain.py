@@ -15,7 +15,8 @@ do nothing while a checkpointed region is being recomputed.
 Where copies are synchronous (no copy stream: a CPU build) and the prefetch budget is the default
 ``0``, nothing is gained by overlapping, so the schedule follows memory instead, as
 ``save_on_cpu`` does: during a layer's forward, each time ``EARLY_OFFLOAD_CHUNK`` more bytes were
-saved, the saved tensors that the forward has already dropped are offloaded (and waited) at once;
+saved (and between the ops of a selective region: ``Storage.offload_dropped``), the saved tensors
+that the forward has already dropped are offloaded (and waited) at once;
 at the layer's end the rest is offloaded and waited (the last layer's too); in backward no load is
 launched: each offloaded tensor is loaded when autograd unpacks it (``SwapTensor.load_on_use``) and
 freed once its node has run. The state machine and its transitions are the same.
