@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional
 from .backend import Backend
 from .keep_reason import KeepReason
 
-from .swap_tensor import SwapTensor, SwapView, TensorState
+from .swap_tensor import SwapTensor, SwapView
 
 __all__ = ["Storage"]
 
@@ -48,8 +48,7 @@ class Storage:
         if key is None:
             key = self._b.storage_id(tensor)
         st = self._on_device.get(key)
-        if st is not None and st.state is TensorState.DEVICE and st.kept_reason is None \
-                and st.holds_aliases:
+        if st is not None and st.unmoved:
             return SwapView(st, st.add_alias(tensor), self)
         st = SwapTensor(self._b, self._pool, self.group_name, tensor)
         self._on_device[key] = st
@@ -68,10 +67,11 @@ class Storage:
         out: List[SwapTensor] = []
         held = 0
         for t in self.swap_storage:
-            if t.held_only_by_us:
-                out.append(t)
-            elif t.state is TensorState.DEVICE and t.kept_reason is None and t.holds_aliases:
-                held += t.nbytes
+            if t.unmoved:
+                if t.held_elsewhere():
+                    held += t.nbytes
+                else:
+                    out.append(t)
         self._held_bytes = held
         return out
 

@@ -95,17 +95,22 @@ class SwapTensor:
             self.producers.append(stream)
 
     @property
-    def holds_aliases(self) -> bool:
-        """True while the original (never moved) saved tensors are still held."""
-        return self._aliases is not None
+    def unmoved(self) -> bool:
+        """On the device as saved: never offloaded, not kept for good, the original saved tensors
+        still held (an offload candidate; more aliases may join it)."""
+        return self.state is TensorState.DEVICE and self.kept_reason is None and self._aliases is not None
+
+    def held_elsewhere(self) -> bool:
+        """Whether somebody besides the swap system holds this (unmoved) storage: offloading it
+        would free nothing."""
+        return self._b.storage_other_holders(self._aliases) > 0
 
     @property
     def retryable(self) -> bool:
         """Skipped by exactly one earlier launch because it was held elsewhere: worth one more
         try (a layer input is free once the caller moved on); a storage that was still held at
         the second try (a mask every layer uses) is not retried again by the layer chain."""
-        return (self.state is TensorState.DEVICE and self.kept_reason is None
-                and self._aliases is not None and self.shared_skips == 1)
+        return self.unmoved and self.shared_skips == 1
 
     @property
     def resident_candidate(self) -> bool:
@@ -114,16 +119,7 @@ class SwapTensor:
         or loaded back."""
         if self.kept_reason is not None or self.state is TensorState.HOST or self.released:
             return False
-        if self._aliases is not None and self._b.storage_other_holders(self._aliases) > 0:
-            return False
-        return True
-
-    @property
-    def held_only_by_us(self) -> bool:
-        """On the device, never moved, not kept, and nobody but the swap system holds the
-        storage: offloading it now frees its memory."""
-        return (self.state is TensorState.DEVICE and self.kept_reason is None and self._aliases is not None
-                and self._b.storage_other_holders(self._aliases) == 0)
+        return self._aliases is None or not self.held_elsewhere()
 
     def add_alias(self, alias: Any) -> int:
         """Register one more saved tensor viewing this storage; returns its index."""
@@ -205,7 +201,7 @@ class SwapTensor:
             return self._keep(KeepReason.RELOADED)
         if self._mutation():
             return self._keep(KeepReason.MODIFIED_IN_PLACE)
-        if self._b.storage_other_holders(self._aliases) > 0:
+        if self.held_elsewhere():
             # Somebody else (the caller still holding a layer's input, a shared mask...) holds
             # this storage: copying it now would free nothing, so skip the bandwidth. Unlike the
             # other reasons this one can pass (the caller moves on to the next layer): the next
