@@ -314,23 +314,7 @@ class SwapGroup:
         are synchronous: see ``SwapTensor.load_on_use``)."""
         p = self._b
         device = t.device
-        copy_stream = copy_streams(device)
-        if copy_stream is None:
-            # No streams (synchronous copies): nothing to order and no event to wait; the same
-            # transitions, with the ranges a profiler shows for a load.
-            with p.trace_range(f"hyper_parallel.launch_load[{self.name}]"):
-                if not t.async_load():
-                    return
-                try:
-                    t.copy_in(None)
-                finally:
-                    if not t.load_issued:
-                        t.unload()
-                self.stats.loaded_bytes += t.nbytes
-                self.stats.load_launches += 1
-            with p.trace_range(f"hyper_parallel.wait_load[{self.name}]"):
-                t.wait_load()
-            return
+        copy_stream = copy_streams(device)  # None without streams: the ordering calls do nothing
         with p.trace_range(f"hyper_parallel.launch_load[{self.name}]"):
             if not t.async_load():
                 return  # an offload in flight was cancelled: the source is still on the device
@@ -350,10 +334,9 @@ class SwapGroup:
             t.wait_load(waiter=p.current_stream(device))
 
     def _launch_load(self, copy_streams: Callable[[Any], Any], storages: Optional[Sequence[Any]] = None,
-                     limit_bytes: Optional[int] = None, tensors: Optional[List[SwapTensor]] = None) -> int:
+                     limit_bytes: Optional[int] = None) -> int:
         p = self._b
-        wanted = tensors if tensors is not None else \
-            self._in_backward_order(storages, TensorState.HOST, TensorState.D2H)
+        wanted = self._in_backward_order(storages, TensorState.HOST, TensorState.D2H)
         if limit_bytes is not None:
             budget, chosen = limit_bytes, []
             for t in wanted:
