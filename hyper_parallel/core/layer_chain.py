@@ -279,10 +279,6 @@ class LayerChain:
         link.last_forward = record
         has_next = link.next is not None and link.next() is not None
         at_once = self._m._waits_offload_at_once()
-        group = self._m._group(link.name)
-        # Where copies are synchronous nothing is gained by loading ahead: backward loads each
-        # offloaded tensor when autograd uses it (and frees it after), as save_on_cpu does.
-        group.load_on_use = self._m._load_on_use if at_once else None
         if has_next or at_once:
             self._m.launch_offload(link.name)
             if at_once:
