@@ -223,9 +223,7 @@ class SwapManager:
         with self._locked():
             if group_name is not None:
                 self._group(group_name, create=True)
-            previous, self._current_group_name = self._current_group_name, group_name
-            if previous is not None and previous != group_name:
-                self._forget_if_empty(previous)
+            self._switch_group(group_name)
 
     def _load_on_use(self, tensor: Any) -> None:
         """``SwapTensor.load_on_use`` of the layer chain's groups where copies are synchronous:
