@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .backend import Backend
-from .keep_reason import KeepReason
 from .packer import SwapPacker, parameter_storages
 from .region_state import RegionFrame, region_flags
 from .saved import Saved
@@ -150,7 +149,7 @@ def _record(b: Backend, frame: RegionFrame, function: Callable[..., Any], args: 
             return _Leaf(Saved(alias, b.version), requires_grad)
         reason = b.unswappable_reason(alias)
         if reason is not None:
-            storage.add_save(0 if reason is KeepReason.UNSUPPORTED_TENSOR else b.storage_nbytes(alias), reason)
+            storage.add_kept(alias, reason)
             return _Leaf(Saved(alias, b.version), requires_grad)
         return _Leaf(storage.add_swap(alias), requires_grad)
 

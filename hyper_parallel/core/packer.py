@@ -70,8 +70,7 @@ class SwapPacker:
             reason = self._keep_reason(t, key)
             if reason is None:
                 return self.storage.add_swap(b.alias(t), key)
-        nbytes = 0 if reason is KeepReason.UNSUPPORTED_TENSOR else b.storage_nbytes(t)
-        self.storage.add_save(nbytes, reason)
+        self.storage.add_kept(t, reason)
         return Saved(b.alias(t), b.version)
 
     @staticmethod

@@ -14,7 +14,6 @@ from collections import defaultdict
 from typing import Any, Callable, DefaultDict, Dict, Hashable, List, Optional, Set, Tuple
 
 from .backend import Backend, OpKind
-from .keep_reason import KeepReason
 from .policy import Decision, SelectiveCheckpointContext, collective_decision, normalize_policy
 from .saved import Saved
 from .storage import Storage
@@ -343,7 +342,7 @@ class SelectiveRegion:
         reason = b.unswappable_reason(alias)
         if reason is not None:
             storage = self._storage_factory()
-            storage.add_save(0 if reason is KeepReason.UNSUPPORTED_TENSOR else b.storage_nbytes(alias), reason)
+            storage.add_kept(alias, reason)
             return Saved(alias, b.version, check=not self.allow_mutation)
         storage = self._swap_storage = self._storage_factory()
         return storage.add_swap(alias)

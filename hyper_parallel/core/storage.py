@@ -88,6 +88,11 @@ class Storage:
         self.save_bytes += nbytes
         self._stats.keep(reason, nbytes)
 
+    def add_kept(self, tensor: Any, reason: KeepReason) -> None:
+        """Count the storage of ``tensor``, kept on the device for ``reason`` (nothing for a
+        tensor type whose storage cannot be measured)."""
+        self.add_save(0 if reason is KeepReason.UNSUPPORTED_TENSOR else self._b.storage_nbytes(tensor), reason)
+
     def swap_tensors(self) -> List[SwapTensor]:
         """Every :class:`SwapTensor` of this storage, in the order they were saved (the list
         itself: read it, do not change it)."""
