@@ -157,21 +157,9 @@ def test_gradient_accumulation_loads_only_the_forward_whose_backward_runs():
 
 
 def _step_peaks(mode: str):
-    cfg = GPTConfig(vocab=64, dim=64, heads=2, layers=6, seq=64, dropout=0.0)
-    tokens, targets = make_batch(cfg, 4, seed=0)
-    SwapManager().reset()
-    model = GPT(cfg, seed=0)
-    if mode == "recompute":
-        wrap_layers(model.layers, chain=False)
-    elif mode == "swap_wrapper":
-        wrap_layers(model.layers, swap=True)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # gradients exist before the step in every mode
-    with MemoryMeter("cpu", track=[model], scan_gc=False) as meter:
-        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-        forward_peak = meter.peak_above_baseline
-        loss.backward()
-    return forward_peak, meter.peak_above_baseline
+    """(forward peak, step peak) of a small bench GPT, batch 4."""
+    fwd, step, _ = _gpt_step(mode, GPTConfig(vocab=64, dim=64, heads=2, layers=6, seq=64, dropout=0.0), batch=4)
+    return fwd, step
 
 
 @pytest.mark.slow
@@ -184,9 +172,9 @@ def test_swap_peak_is_no_higher_than_recompute_on_cpu():
     assert swap <= recompute < none
 
 
-def _gpt_step(mode: str, cfg: GPTConfig):
+def _gpt_step(mode: str, cfg: GPTConfig, batch: int = 2):
     """One metered step of the bench GPT: (forward peak, step peak, gradients)."""
-    tokens, targets = make_batch(cfg, 2, seed=0)
+    tokens, targets = make_batch(cfg, batch, seed=0)
     SwapManager().reset()
     model = GPT(cfg, seed=0)
     if mode == "recompute":
@@ -196,7 +184,7 @@ def _gpt_step(mode: str, cfg: GPTConfig):
     elif mode == "swap":
         wrap_layers(model.layers, policy_fn=swap_matmuls, swap_inputs=True)
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.zeros_like(p)  # gradients exist before the step in every mode
     with MemoryMeter("cpu", track=[model], scan_gc=False) as meter:
         loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
         forward_peak = meter.peak_above_baseline
