@@ -91,3 +91,21 @@ def test_pipeline_swap_is_not_available():
     from hyper_parallel.core.activation_checkpoint import pipeline_swap
     with pytest.raises(RuntimeError, match="MicrobatchSwapSchedule"):
         pipeline_swap(object())
+
+
+def test_bucketing_is_off_and_refused_where_storages_cannot_be_sliced():
+    from hyper_parallel.core.activation_checkpoint import SwapManager
+
+    p = active_backend()
+    assert p.supports_slots is False  # MindSpore 2.10's UntypedStorage has no slicing
+    mgr = SwapManager()
+    mgr.reset()
+    assert mgr.bucket_bytes() == 0
+    with pytest.raises(ValueError, match="cannot make a storage over part of another"):
+        mgr.set_bucket_bytes(1 << 20)
+    mgr.set_bucket_bytes(0)  # off is always fine
+
+
+    p = active_backend()
+    with pytest.raises(NotImplementedError, match="whole storages only"):
+        p.copy_bytes(p.empty_host_bytes(64), Tensor(np.arange(4, dtype=np.float32)), 16)

@@ -195,25 +195,23 @@ OVERHEAD_PAIRS: Tuple[Tuple[str, str, Optional[float]], ...] = (
 def counting_offloads() -> Iterator[Dict[str, int]]:
     """Count the swapped tensors (storages whose device-to-host copy started) while inside: the
     engine's ``SwapManager().stats()`` counts bytes and launches, not tensors. Instruments
-    ``SwapTensor.async_offload`` for the duration (use it around an untimed step)."""
+    ``SwapTensor.start_offload`` for the duration (use it around an untimed step)."""
     from hyper_parallel.core import swap_tensor
 
     cls = swap_tensor.SwapTensor
-    original = cls.async_offload
+    original = cls.start_offload
     counts = {"tensors": 0, "bytes": 0}
 
-    def async_offload(self, copy_stream):
-        reason = original(self, copy_stream)
-        if reason is None:
-            counts["tensors"] += 1
-            counts["bytes"] += int(self.nbytes)
-        return reason
+    def start_offload(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        counts["tensors"] += 1
+        counts["bytes"] += int(self.nbytes)
 
-    cls.async_offload = async_offload
+    cls.start_offload = start_offload
     try:
         yield counts
     finally:
-        cls.async_offload = original
+        cls.start_offload = original
 
 
 def _grads(model: nn.Module) -> List[Optional[torch.Tensor]]:

@@ -147,10 +147,21 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------------ byte views, allocation, copies
     @abc.abstractmethod
-    def rebuild_view(self, flat: Tensor, meta: ViewMeta) -> Tensor:
-        """A tensor with ``meta``'s layout over the storage of ``flat`` (a byte tensor, or a
-        saved tensor of that storage)."""
+    def rebuild_view(self, flat: Any, meta: ViewMeta) -> Tensor:
+        """A tensor with ``meta``'s layout over the storage of ``flat`` (a byte tensor, a saved
+        tensor of that storage, or what :meth:`slot_bytes` returned)."""
         ...
+
+    #: Whether :meth:`slot_bytes` can make a storage over part of another (bucketed copies need
+    #: it, ``core/swap_bucket.py``; without it every storage is copied by itself).
+    supports_slots: bool = False
+
+    def slot_bytes(self, buf: Tensor, offset: int, nbytes: int) -> Any:
+        """Bytes ``[offset, offset + nbytes)`` of ``buf``'s storage as a storage of their own that
+        shares ``buf``'s memory and keeps it alive: views rebuilt over it (:meth:`rebuild_view`)
+        keep their original storage offset and storage size. Only called where
+        :attr:`supports_slots` is true."""
+        raise NotImplementedError(f"{type(self).__name__} cannot make a storage over part of another")
 
     @abc.abstractmethod
     def empty_device_bytes(self, nbytes: int, like: ViewMeta) -> Tensor:
@@ -175,10 +186,11 @@ class Backend(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def copy_bytes(self, dst: Tensor, src: Tensor) -> None:
-        """Copy every byte of the storage ``src`` views into the storage of ``dst`` (same byte
-        count; ``src`` is a saved tensor or a byte tensor) on the current stream, asynchronously
-        where possible; invisible to autograd and to user dispatch modes."""
+    def copy_bytes(self, dst: Tensor, src: Tensor, dst_offset: int = 0) -> None:
+        """Copy every byte of the storage ``src`` views into the storage of ``dst``, starting at
+        byte ``dst_offset`` there (``src`` is a saved tensor or a byte tensor; ``dst`` a byte
+        tensor with room for them: the same byte count, or a bucket's buffer) on the current
+        stream, asynchronously where possible; invisible to autograd and to user dispatch modes."""
         ...
 
     @abc.abstractmethod

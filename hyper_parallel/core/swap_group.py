@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .backend import Backend
 from .keep_reason import KeepReason
+from .swap_bucket import HostBucket, plan_buckets
 from .swap_tensor import SwapTensor, TensorState
 
 __all__ = ["SwapGroup", "GroupStats"]
@@ -84,10 +85,14 @@ class SwapGroup:
     event (so it can be waited) and every other tensor where it was.
     """
 
-    def __init__(self, name: str, backend: Backend, stats: GroupStats, persistent: bool = False) -> None:
+    def __init__(self, name: str, backend: Backend, stats: GroupStats, pool: Any, persistent: bool = False) -> None:
         self.name = name
         self._b = backend
         self.stats = stats
+        self._pool = pool  # the host buffers of bucketed copies (a solo takes its own in SwapTensor)
+        #: cap of one bucket of small storages (``core/swap_bucket.py``), set by the manager; 0:
+        #: every storage by itself
+        self.bucket_bytes = 0
         self.persistent = persistent  # layer-chain groups live as long as the chain
         # Weak references in the order the storages were added (loads go in backward-use order,
         # the reverse of it); plain refs are much cheaper to walk than a weak container.
@@ -116,6 +121,8 @@ class SwapGroup:
 
     # ------------------------------------------------------------------ content
     def add(self, storage: Any) -> None:
+        if self._storages and self._storages[0]() is None:
+            self.storages()  # drop the references of dead storages (a long-lived chain group adds one per step)
         key = id(storage)
         if key in self._ids and any(r() is storage for r in self._storages):
             return
@@ -134,8 +141,9 @@ class SwapGroup:
         return len(self.storages())
 
     def has_live_storage(self) -> bool:
-        """Whether a storage of the group is still alive (cheaper than ``len``)."""
-        for r in self._storages:
+        """Whether a storage of the group is still alive (cheaper than ``len``): newest first,
+        since older forwards die first."""
+        for r in reversed(self._storages):
             if r() is not None:
                 return True
         return False
@@ -221,30 +229,48 @@ class SwapGroup:
             self._launch_offload(copy_streams, list(tensors))
         self.wait_offload()
 
+    def _offload_runs(self, only: Optional[List[SwapTensor]]) -> List[List[SwapTensor]]:
+        """What an offload launch considers, one list per storage (a bucket never spans two
+        regions' forwards): ``only`` (one storage's, the early offload), or every storage's
+        tensors on the device and not kept for good, in the order they were saved."""
+        if only is not None:
+            return [only]
+        runs = []
+        for r in self._storages:
+            s = r()
+            if s is not None:
+                run = [t for t in s.swap_storage if t.state is TensorState.DEVICE and t.kept_reason is None]
+                if run:
+                    runs.append(run)
+        return runs
+
     def _launch_offload(self, copy_streams: Callable[[Any], Any], only: Optional[List[SwapTensor]] = None) -> None:
         p = self._b
-        todo = only if only is not None else [t for t in self._tensors(TensorState.DEVICE) if t.kept_reason is None]
+        runs = self._offload_runs(only)
         skipped: List[SwapTensor] = []
         self._skipped_shared = skipped
         try:
-            for device, tensors in _by_device(todo).items():
+            for device, tensors in _by_device([t for run in runs for t in run]).items():
                 copy_stream = copy_streams(device)
                 self._order_d2h_after_producers(copy_stream, device, tensors)
                 started: List[SwapTensor] = []
                 try:
                     with p.stream_context(copy_stream):
-                        for t in tensors:
-                            skipped_before = t.shared_skips
-                            reason = t.async_offload(copy_stream)
-                            if reason is None:
-                                started.append(t)
-                                if skipped_before:  # it was counted as kept 'shared' by an earlier launch
-                                    self.stats.keep(KeepReason.SHARED, -t.nbytes)
-                            else:
+                        for run in runs:
+                            ready = []
+                            for t in run:
+                                if t.device != device:
+                                    continue
+                                skipped_before = t.shared_skips
+                                reason = t.offload_reason()
+                                if reason is None:
+                                    ready.append(t)
+                                    continue
                                 if reason is KeepReason.SHARED:
                                     skipped.append(t)
                                 if reason is not KeepReason.SHARED or not skipped_before:  # count each storage once
                                     self.stats.keep(reason, t.nbytes)
+                            self._start_offloads(ready, copy_stream, started)
                 finally:
                     if started:  # even if a later tensor failed: these copies are queued
                         event = p.record_event(copy_stream)
@@ -252,6 +278,8 @@ class SwapGroup:
                             t.set_copy_event(event)
                             t.load_on_use = self.load_on_use
                             self.stats.offloaded_bytes += t.nbytes
+                            if t.shared_skips:  # it was counted as kept 'shared' by an earlier launch
+                                self.stats.keep(KeepReason.SHARED, -t.nbytes)
                         self._in_d2h.extend(started)
                         self._offload_events.append((device, event))
                         self.offload_pending = True
@@ -259,6 +287,41 @@ class SwapGroup:
             self.stats.offload_launches += 1
         self.offload_pending = True
         self.offload_cancelled = False
+
+    def _start_offloads(self, ready: List[SwapTensor], copy_stream: Any, started: List[SwapTensor]) -> None:
+        """Issue the D2H copies of ``ready`` (one storage's tensors cleared to go, in save order):
+        the small ones into shared bucket buffers, the rest each into its own. Appends every
+        tensor whose copy was issued to ``started`` as it goes (a failure leaves the rest where
+        they were, and returns the unused shares of a bucket's buffer)."""
+        buckets, solos = plan_buckets(ready, self.bucket_bytes)
+        for members, offsets, nbytes in buckets:
+            host = self._pool.acquire(nbytes, copy_stream)
+            if host is None:  # over the host cap: each member tries for a buffer of its own
+                solos.extend(members)
+                continue
+            bucket = HostBucket(self._pool, host, nbytes, members)
+            issued = 0
+            try:
+                for t, offset in zip(members, offsets):
+                    t.start_offload(host, copy_stream, bucket, offset)
+                    started.append(t)
+                    issued += 1
+            finally:
+                for _ in range(len(members) - issued):
+                    bucket.release(self._b.record_event(copy_stream))
+        for t in solos:
+            host = self._pool.acquire(t.nbytes, copy_stream)
+            if host is None:
+                self.stats.keep(t.keep(KeepReason.HOST_LIMIT), t.nbytes)
+                continue
+            try:
+                t.start_offload(host, copy_stream)
+            except BaseException:
+                # Nothing of ours is in flight; guard the buffer with the copy stream anyway, in
+                # case the framework queued part of the copy before failing.
+                self._pool.release(host, t.nbytes, self._b.record_event(copy_stream))
+                raise
+            started.append(t)
 
     def wait_offload(self) -> None:
         if not self.offload_pending and self.offload_cancelled:
@@ -308,42 +371,97 @@ class SwapGroup:
         return [t for s in reversed(chosen) for t in reversed(list(s.swap_tensors())) if t.state in states]
 
     def load_now(self, t: SwapTensor, copy_streams: Callable[[Any], Any]) -> None:
-        """Load the offloaded tensor ``t`` and make compute wait for it: a launch and its wait for
-        one tensor, the same transitions and ordering points as ``launch_load`` + ``wait_load``,
-        without their bookkeeping of several tensors (the layer chain's load on use, where copies
-        are synchronous: see ``SwapTensor.load_on_use``)."""
+        """Load the offloaded tensor ``t`` (with the siblings of its bucket, which share its copy)
+        and make compute wait for it: a launch and its wait, the same transitions and ordering
+        points as ``launch_load`` + ``wait_load``, without their bookkeeping of a whole group (the
+        layer chain's load on use, where copies are synchronous: see ``SwapTensor.load_on_use``)."""
         p = self._b
         device = t.device
         copy_stream = copy_streams(device)  # None without streams: the ordering calls do nothing
         with p.trace_range(f"hyper_parallel.launch_load[{self.name}]"):
-            if not t.async_load():
+            tensors = [t] if t.bucket is None or t.state is not TensorState.HOST else self._with_siblings([t])
+            allocated = self._allocate(tensors)
+            if not allocated:
                 return  # an offload in flight was cancelled: the source is still on the device
-            self._order_h2d_after_allocation(copy_stream, device)
-            try:
-                with p.stream_context(copy_stream):
-                    t.copy_in(copy_stream)
-            finally:
-                if not t.load_issued:
-                    t.unload()
+            self._order_and_copy_in(allocated, copy_stream, device)
             event = p.record_event(copy_stream)
-            t.set_copy_event(event)
-            self.stats.loaded_bytes += t.nbytes
+            for m in allocated:
+                m.set_copy_event(event)
+                self.stats.loaded_bytes += m.nbytes
             self.stats.load_launches += 1
         with p.trace_range(f"hyper_parallel.wait_load[{self.name}]"):
             self._order_use_after_h2d(device, event)
-            t.wait_load(waiter=p.current_stream(device))
+            waiter = p.current_stream(device)
+            for m in allocated:
+                m.wait_load(waiter=waiter)
+
+    @staticmethod
+    def _with_siblings(tensors: List[SwapTensor]) -> List[SwapTensor]:
+        """``tensors`` plus the members of their buckets still on the host (a bucket comes back
+        whole: its members share one copy), each once, in order."""
+        out: List[SwapTensor] = []
+        seen = set()
+        for t in tensors:
+            group = [t] if t.bucket is None else [m for m in t.bucket.members() if m.state is TensorState.HOST]
+            for m in group:
+                if id(m) not in seen:
+                    seen.add(id(m))
+                    out.append(m)
+        return out
+
+    @staticmethod
+    def _allocate(tensors: List[SwapTensor]) -> List[SwapTensor]:
+        """Allocate the destinations of ``tensors`` (state host) on the current (compute) stream,
+        one device buffer per bucket; returns those that now wait for a copy. If an allocation
+        fails, those made before it are undone."""
+        bucket_devs: Dict[Any, Any] = {}
+        allocated: List[SwapTensor] = []
+        try:
+            for t in tensors:
+                if t.async_load(bucket_devs):
+                    allocated.append(t)
+        except BaseException:
+            for t in allocated:
+                t.unload()
+            raise
+        return allocated
+
+    def _order_and_copy_in(self, allocated: List[SwapTensor], copy_stream: Any, device: Any) -> None:
+        """Order the copy stream after the allocations, then issue the H2D copies of ``allocated``
+        on it, one per bucket. A tensor whose copy was not issued (a failure) goes back to the host."""
+        copied = set()
+        try:
+            self._order_h2d_after_allocation(copy_stream, device)
+            with self._b.stream_context(copy_stream):
+                for t in allocated:
+                    bucket = t.bucket
+                    t.copy_in(copy_stream, issue=bucket is None or bucket not in copied)
+                    if bucket is not None:
+                        copied.add(bucket)
+        finally:
+            for t in allocated:
+                if not t.load_issued:
+                    t.unload()
 
     def _launch_load(self, copy_streams: Callable[[Any], Any], storages: Optional[Sequence[Any]] = None,
                      limit_bytes: Optional[int] = None) -> int:
         p = self._b
         wanted = self._in_backward_order(storages, TensorState.HOST, TensorState.D2H)
         if limit_bytes is not None:
-            budget, chosen = limit_bytes, []
+            budget, chosen, seen = limit_bytes, [], set()
             for t in wanted:
-                if t.nbytes > budget:
+                if t.bucket is None:
+                    cost, take = t.nbytes, [t]
+                elif t.bucket in seen:
+                    continue  # came with its bucket already
+                else:  # a bucket comes back whole
+                    seen.add(t.bucket)
+                    take = [m for m in t.bucket.members() if m.state is TensorState.HOST or m.state is TensorState.D2H]
+                    cost = sum(m.nbytes for m in take)
+                if cost > budget:
                     break  # keep backward-use order: nothing after a tensor that does not fit
-                budget -= t.nbytes
-                chosen.append(t)
+                budget -= cost
+                chosen.extend(take)
             wanted = chosen
         # Offloads that were launched but never waited are cancelled: their sources are intact.
         for t in wanted:
@@ -357,24 +475,15 @@ class SwapGroup:
             self.offload_pending = False
         issued_bytes = 0
         try:
-            for device, tensors in _by_device([t for t in wanted if t.state is TensorState.HOST]).items():
+            for device, tensors in _by_device(self._with_siblings(
+                    [t for t in wanted if t.state is TensorState.HOST])).items():
                 copy_stream = copy_streams(device)
-                allocated: List[SwapTensor] = []
-                issued: List[SwapTensor] = []
+                # Destinations are allocated here, on the compute stream that will use and free them.
+                allocated = self._allocate(tensors)
                 try:
-                    # Destinations are allocated here, on the compute stream that will use and free them.
-                    for t in tensors:
-                        if t.async_load():
-                            allocated.append(t)
-                    self._order_h2d_after_allocation(copy_stream, device)
-                    with p.stream_context(copy_stream):
-                        for t in allocated:
-                            t.copy_in(copy_stream)
-                            issued.append(t)
+                    self._order_and_copy_in(allocated, copy_stream, device)
                 finally:
-                    for t in allocated:
-                        if not t.load_issued:
-                            t.unload()  # a failure before its copy: back to the host
+                    issued = [t for t in allocated if t.load_issued]  # even if a later copy failed
                     if issued:
                         event = p.record_event(copy_stream)
                         for t in issued:

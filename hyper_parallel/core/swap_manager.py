@@ -11,6 +11,7 @@ from .backend import Backend, active_backend
 from .host_pool import HostBufferPool
 from .layer_chain import LayerChain
 from .storage import Storage
+from .swap_bucket import DEFAULT_BUCKET_BYTES
 from .swap_group import GroupStats, SwapGroup
 from .swap_tensor import TensorState
 
@@ -111,6 +112,7 @@ class SwapManager:
         self._current_group_name: Optional[str] = None
         self._copy_streams: Dict[Any, Any] = {}  # device -> the manager's copy stream there
         self._prefetch_budget: Any = _AUTO
+        self._bucket_bytes = self._default_bucket_bytes()
         # The storage sets of the chained layer forwards running now (innermost last): a storage
         # made while one runs belongs to that forward (see LayerChain).
         self._forward_records: List[Any] = []
@@ -133,7 +135,8 @@ class SwapManager:
             self._retired.pop(name, None)
             self._recent_retired.pop(name, None)
             stats = self._stats.setdefault(name, GroupStats())
-            group = self._groups[name] = SwapGroup(name, self.backend, stats, persistent)
+            group = self._groups[name] = SwapGroup(name, self.backend, stats, self._pool, persistent)
+            group.bucket_bytes = self._bucket_bytes
         elif persistent:
             group.persistent = True
         return group
@@ -365,6 +368,42 @@ class SwapManager:
             return self._prefetch_budget
         return None if self.copies_overlap() else 0
 
+    def set_bucket_bytes(self, nbytes: int) -> None:
+        """Cap, in bytes, of one bucket of small saved storages (default 1 MiB; ``0`` turns
+        bucketing off). An offload packs the storages of at most ``nbytes // 16`` bytes that one
+        region's forward saved into shared host buffers of at most ``nbytes``, and a load brings
+        each such buffer back with one copy into one device buffer: one copy launch and one
+        allocation per bucket instead of one per tensor (``core/swap_bucket.py``). Loading any
+        tensor of a bucket loads the whole bucket, so a load on use brings up to ``nbytes`` at once.
+
+        A bucket needs the framework to make a storage over part of another, so that each member
+        comes back with its own storage and storage offset (``Backend.supports_slots``: PyTorch
+        can, MindSpore 2.10 cannot; there the default is 0 and a positive value is refused).
+
+        Example::
+
+            >>> SwapManager().set_bucket_bytes(4 << 20)   # buckets of up to 4 MiB, of storages <= 256 KiB
+            >>> SwapManager().set_bucket_bytes(0)         # every storage copied by itself
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise TypeError(f"set_bucket_bytes expects a number of bytes (int >= 0; 0 turns bucketing off), "
+                            f"got {nbytes!r}")
+        if nbytes and not self.backend.supports_slots:
+            raise ValueError(f"set_bucket_bytes({nbytes}): the {type(self.backend).__name__} cannot make a storage "
+                             "over part of another, which bucketed copies need (each reloaded tensor gets its own "
+                             "storage back); leave bucketing off (0) on this framework.")
+        with self._locked():
+            self._bucket_bytes = nbytes
+            for group in self._groups.values():
+                group.bucket_bytes = nbytes
+
+    def bucket_bytes(self) -> int:
+        """The bucket cap in force (see :meth:`set_bucket_bytes`); 0: no bucketing."""
+        return self._bucket_bytes
+
+    def _default_bucket_bytes(self) -> int:
+        return DEFAULT_BUCKET_BYTES if self.backend.supports_slots else 0
+
     def _waits_offload_at_once(self) -> bool:
         """Whether the layer chain waits a layer's offload right after launching it: only where
         copies are synchronous and the (default) budget loads on demand."""
@@ -455,3 +494,4 @@ class SwapManager:
             # The backend is read again: a test or tool may have switched it (core.backend.use_backend).
             self.backend = active_backend()
             self._pool = HostBufferPool(self.backend)  # the host limit goes back to "none" too
+            self._bucket_bytes = self._default_bucket_bytes()

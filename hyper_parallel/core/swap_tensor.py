@@ -6,7 +6,7 @@ size, stride, storage offset and dtype over one reloaded storage).
 
 States::
 
-    device --async_offload--> d2h --wait_offload--> host --async_load--> h2d --wait_load--> device
+    device --start_offload--> d2h --wait_offload--> host --async_load--> h2d --wait_load--> device
 
 ``get_val`` is legal in ``device`` (and in ``d2h``, where the source is still intact on the
 device); anywhere else it raises. Memory is never freed by force: the swap system only drops its
@@ -24,7 +24,7 @@ storage that dies while its copy is in flight. Each of these is one method (``_p
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .backend import Backend
 from .keep_reason import KeepReason
@@ -50,7 +50,7 @@ class SwapTensor:
     __slots__ = ("_b", "_pool", "group_name", "nbytes", "state", "_aliases", "_versions", "_metas", "_src",
                  "_host", "_dev", "_views", "released", "_host_guard", "kept_reason", "shared_skips", "device",
                  "producers", "_copy_stream", "_dev_stream", "_load_event", "_ready", "_load_issued", "load_on_use",
-                 "__weakref__")
+                 "bucket", "slot_offset", "_block", "__weakref__")
 
     def __init__(self, backend: Backend, pool: Any, group_name: str, alias: Any) -> None:
         self._b = backend
@@ -65,7 +65,12 @@ class SwapTensor:
         self._metas: List[Any] = [backend.view_meta(alias)]
         self._src: Any = None      # byte view of the source while its D2H copy is in flight
         self._host: Any = None     # host buffer holding the bytes while offloaded
-        self._dev: Any = None      # byte tensor of the reloaded storage
+        self._dev: Any = None      # the reloaded storage (a byte tensor, or a bucket's slot)
+        self._block: Any = None    # the device allocation holding ``_dev`` (what record_stream protects)
+        # A small storage shares its host buffer with others (``core/swap_bucket.py``): its bytes
+        # sit at ``slot_offset`` there, and at the same offset in the device buffer it reloads into.
+        self.bucket: Any = None
+        self.slot_offset = 0
         self._views = 0            # live SwapViews (saved tensors autograd still holds)
         self.released = False      # every view was released after use: the device copy is gone
         self._host_guard: Any = None  # offload event: the host buffer is written until it fires
@@ -79,7 +84,7 @@ class SwapTensor:
         stream = backend.current_stream(self.device)
         self.producers: List[Any] = [stream] if stream is not None else []
         self._copy_stream: Any = None  # the copy stream of the copy in flight (or last issued)
-        self._dev_stream: Any = None   # the stream that allocated ``_dev`` (the block's owner)
+        self._dev_stream: Any = None   # the stream that allocated ``_block`` (the block's owner)
         self._load_event: Any = None   # the event after the H2D copy into ``_dev``
         self._ready: List[Any] = []    # streams known to be ordered after ``_load_event``
         self._load_issued = False      # in state h2d: the copy was issued (not only the allocation)
@@ -183,24 +188,23 @@ class SwapTensor:
         rather than when the whole region's graph dies."""
         self._views -= 1
         if self._views == 0 and self.state is TensorState.DEVICE:
-            self._dev = None
+            self._dev = self._block = None
             self._aliases = None
             self.released = True
 
     # ----------------------------------------------------------------- offload
-    def async_offload(self, copy_stream: Any) -> Optional[KeepReason]:
-        """Start the D2H copy on ``copy_stream`` (current). Returns ``None`` when the copy started,
-        or the reason the storage stays on the device (it is then kept for good, as with SAVE).
-        If the copy raises, the host buffer goes back to the pool and the state is unchanged."""
+    def offload_reason(self) -> Optional[KeepReason]:
+        """``None`` when this storage can be offloaded now, else why it stays on the device (kept
+        for good, except ``SHARED``: see below)."""
         if self.state is not TensorState.DEVICE:
             raise RuntimeError(f"swap group '{self.group_name}': offload of a tensor in state "
                                f"'{self.state.value}'; only tensors on the device can be offloaded.")
         if self.kept_reason is not None:
             return self.kept_reason
         if self._aliases is None:  # reloaded earlier in this step: a second offload is a new save
-            return self._keep(KeepReason.RELOADED)
+            return self.keep(KeepReason.RELOADED)
         if self._mutation():
-            return self._keep(KeepReason.MODIFIED_IN_PLACE)
+            return self.keep(KeepReason.MODIFIED_IN_PLACE)
         if self.held_elsewhere():
             # Somebody else (the caller still holding a layer's input, a shared mask...) holds
             # this storage: copying it now would free nothing, so skip the bandwidth. Unlike the
@@ -208,23 +212,21 @@ class SwapTensor:
             # launch of the group tries again.
             self.shared_skips += 1
             return KeepReason.SHARED
-        host = self._pool.acquire(self.nbytes, copy_stream)
-        if host is None:
-            return self._keep(KeepReason.HOST_LIMIT)
-        src = self._aliases[0]  # any tensor over the storage: the whole storage is copied
-        try:
-            self._b.copy_bytes(host, src)
-        except BaseException:
-            # Nothing of ours is in flight; guard the buffer with the copy stream anyway, in case
-            # the framework queued part of the copy before failing.
-            self._pool.release(host, self.nbytes, self._b.record_event(copy_stream))
-            raise
-        self._host, self._src, self._copy_stream = host, src, copy_stream
-        self._aliases = None
-        self.state = TensorState.D2H
         return None
 
-    def _keep(self, reason: KeepReason) -> KeepReason:
+    def start_offload(self, host: Any, copy_stream: Any, bucket: Any = None, offset: int = 0) -> None:
+        """Issue the D2H copy of the whole storage into ``host`` at byte ``offset`` (a slot of
+        ``bucket``'s buffer, or a buffer of its own) on ``copy_stream`` (current); after
+        :meth:`offload_reason` answered ``None``. If the copy raises, nothing changes."""
+        src = self._aliases[0]  # any tensor over the storage: the whole storage is copied
+        self._b.copy_bytes(host, src, offset)
+        self._host, self._src, self._copy_stream = host, src, copy_stream
+        self.bucket, self.slot_offset = bucket, offset
+        self._aliases = None
+        self.state = TensorState.D2H
+
+    def keep(self, reason: KeepReason) -> KeepReason:
+        """Keep this storage on the device for good (a second offload would not help)."""
         self.kept_reason = reason
         return reason
 
@@ -243,16 +245,20 @@ class SwapTensor:
         self.state = TensorState.HOST
 
     # ----------------------------------------------------------------- load
-    def async_load(self) -> bool:
+    def async_load(self, bucket_devs: Optional[Dict[Any, Any]] = None) -> bool:
         """Allocate the H2D destination (on the current compute stream, which will use and free
         it); :meth:`copy_in` issues the copy. A tensor whose offload was never waited is simply
-        kept (its source is still on the device); returns ``True`` when a copy is to be issued."""
+        kept (its source is still on the device); returns ``True`` when a copy is to be issued.
+        A bucket member's destination is its slot in the device buffer of the whole bucket,
+        allocated by the first member that asks and found by the others in ``bucket_devs`` (the
+        launch's bucket -> device buffer)."""
         if self.state is TensorState.D2H:
             # Cancel: the source is intact; keep it. Compute does not wait for the D2H (it only
             # reads the source, as the copy does); the block is protected until the copy is
             # done, and the host buffer goes back to the pool guarded by the D2H event.
             self._protect(self._src, self._copy_stream)
-            self._dev, self._src = self._src, None
+            self._dev = self._block = self._src
+            self._src = None
             self._release_host(self._host_guard)
             self.state = TensorState.DEVICE
             return False
@@ -262,17 +268,29 @@ class SwapTensor:
         # The destination is allocated by the compute stream (the stream that will use and free
         # it); the caller made the copy stream wait for compute after these allocations.
         self._dev_stream = self._b.current_stream(self.device)
-        self._dev = self._b.empty_device_bytes(self.nbytes, self._metas[0])
+        bucket = self.bucket
+        if bucket is None:
+            self._dev = self._block = self._b.empty_device_bytes(self.nbytes, self._metas[0])
+        else:
+            dev = bucket_devs.get(bucket) if bucket_devs is not None else None
+            if dev is None:
+                dev = self._b.empty_device_bytes(bucket.nbytes, self._metas[0])
+                if bucket_devs is not None:
+                    bucket_devs[bucket] = dev
+            self._block = dev
+            self._dev = self._b.slot_bytes(dev, self.slot_offset, self.nbytes)
         self._load_event = None
         self._load_issued = False
         self.state = TensorState.H2D
         return True
 
-    def copy_in(self, copy_stream: Any) -> None:
+    def copy_in(self, copy_stream: Any, issue: bool = True) -> None:
         """Issue the H2D copy (called inside the copy-stream context). No ``record_stream`` here:
         compute waits the copy before it uses or frees the destination; only a storage that dies
-        before that is protected (``__del__``)."""
-        self._b.copy_bytes(self._dev, self._host)
+        before that is protected (``__del__``). ``issue=False``: a bucket member whose bytes the
+        group's one copy of the whole bucket brings."""
+        if issue:
+            self._b.copy_bytes(self._block, self._host)
         self._copy_stream = copy_stream
         self._load_issued = True
 
@@ -280,7 +298,7 @@ class SwapTensor:
         """Undo :meth:`async_load` for a tensor whose copy was never issued (a launch failed
         before reaching it): back to the host, the destination dropped."""
         if self.state is TensorState.H2D and not self._load_issued:
-            self._dev = self._dev_stream = None
+            self._dev = self._block = self._dev_stream = None
             self.state = TensorState.HOST
 
     @property
@@ -299,7 +317,7 @@ class SwapTensor:
         if waiter is not None and self._dev_stream is not None and not (waiter == self._dev_stream):
             # The block belongs to the allocating stream, which never waited the load: keep it
             # until the waiter (ordered after the copy) is done with it.
-            self._protect(self._dev, waiter)
+            self._protect(self._block, waiter)
         self.state = TensorState.DEVICE
 
     def _order_use_after_load(self, stream: Any) -> None:
@@ -308,7 +326,7 @@ class SwapTensor:
         if ``stream`` does not own the block, the block is kept until its work is done."""
         self._b.wait_event(stream, self._load_event)
         if self._dev_stream is not None and not (stream == self._dev_stream):
-            self._protect(self._dev, stream)
+            self._protect(self._block, stream)
         self._ready.append(stream)
 
     def _protect(self, tensor: Any, stream: Any) -> None:
@@ -319,12 +337,17 @@ class SwapTensor:
 
     def _release_host(self, guard: Any) -> None:
         if self._host is not None:
-            self._pool.release(self._host, self.nbytes, guard)
+            if self.bucket is not None:
+                self.bucket.release(guard)
+            else:
+                self._pool.release(self._host, self.nbytes, guard)
             self._host = None
 
     def set_copy_event(self, event: Any) -> None:
         """The event recorded after the copy that uses the host buffer (D2H or H2D)."""
         self._host_guard = event
+        if self.bucket is not None:
+            self.bucket.guard = event
 
     def __del__(self) -> None:
         # The region's graph died (forward without backward, or backward done): return the host
@@ -334,7 +357,7 @@ class SwapTensor:
             if self.state is TensorState.D2H:
                 self._protect(self._src, self._copy_stream)
             elif self.state is TensorState.H2D:
-                self._protect(self._dev, self._copy_stream)
+                self._protect(self._block, self._copy_stream)
             self._release_host(self._host_guard)
         except Exception:  # interpreter shutdown: the pool may be gone already
             pass

@@ -186,11 +186,12 @@ class _Info:
 
 
 class _Copy:
-    __slots__ = ("stream", "dst", "src", "dev_key", "reads_dev")
+    __slots__ = ("stream", "dst", "src", "dev_key", "reads_dev", "offset")
 
     def __init__(self, stream: SimStream, dst: torch.Tensor, src: torch.Tensor, dev_key: Optional[int],
-                 reads_dev: bool) -> None:
+                 reads_dev: bool, offset: int) -> None:
         self.stream, self.dst, self.src, self.dev_key, self.reads_dev = stream, dst, src, dev_key, reads_dev
+        self.offset = offset
 
     @property
     def dev_tensor(self) -> torch.Tensor:
@@ -241,6 +242,10 @@ class SimDevice(TorchBackend):
         self._kind_count: Counter = Counter()
         self.streams: List[SimStream] = []
         self._info: Dict[int, _Info] = {}
+        # Slot storages (``slot_bytes``: part of another storage's memory) -> the record of the
+        # block they are part of, while they live (accesses through a slot are the block's).
+        self._slots: Dict[int, _Info] = {}
+        self._slot_refs: Dict[int, Any] = {}
         self._held: Dict[int, List[_Copy]] = {}
         self._spec_cache: Dict[Any, Any] = {}
         self.violations: List[str] = []
@@ -433,7 +438,7 @@ class SimDevice(TorchBackend):
         self.counts["empty_host_cache"] += 1
         self.host_cached_bytes = 0
 
-    def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor, dst_offset: int = 0) -> None:
         self._before("copy_bytes", dst, src)
         with self._lock:
             self._poll()
@@ -453,22 +458,45 @@ class SimDevice(TorchBackend):
                 # program's references can be told apart from the queue's (see _poll).
                 with self._quiet():
                     dst, src = dst.detach(), src.detach()
-                item = _Copy(stream, dst, src, None if dev.host else dev.key, reads_dev)
+                item = _Copy(stream, dst, src, None if dev.host else dev.key, reads_dev, dst_offset)
                 self._enqueue(stream, item)
                 if item.dev_key is not None:
                     self._held.setdefault(item.dev_key, []).append(item)
                 self.counts["queued_copies"] += 1
             else:
-                self._exec(dst, src)
+                self._exec(dst, src, dst_offset)
                 self.counts["eager_copies"] += 1
             self._raise_pending()
             self._progress()
+
+    def slot_bytes(self, buf: torch.Tensor, offset: int, nbytes: int) -> torch.UntypedStorage:
+        self._before("slot_bytes", buf, offset, nbytes)
+        with self._lock:
+            info = self._get(buf)
+            with self._quiet():
+                slot = buf.untyped_storage()[offset:offset + nbytes]
+            key = slot._cdata
+            if info is not None:
+                self._slots[key] = info
+
+                def forget(_: Any, key: int = key, info: _Info = info) -> None:
+                    if self._slots.get(key) is info:
+                        del self._slots[key]
+                    self._slot_refs.pop(key, None)
+
+                self._slot_refs[key] = weakref.ref(slot, forget)
+            return slot
 
     def mark_used_by(self, t: torch.Tensor, stream: Any) -> None:
         # Never raises (the engine calls it from __del__).
         if stream is None:
             return
         with self._lock:
+            if t.untyped_storage()._cdata in self._slots:
+                # As PyTorch's caching allocator: record_stream on memory it did not hand out
+                # itself (a slot of a block) does nothing.
+                self.counts["record_stream_ignored"] += 1
+                return
             info = self._get(t)
             if info is not None and not info.host:
                 info.recorded[stream.id] = stream
@@ -556,7 +584,7 @@ class SimDevice(TorchBackend):
         if t.device.type != "cpu":
             return None
         storage = t.untyped_storage()
-        info = self._info.get(storage._cdata)
+        info = self._info.get(storage._cdata) or self._slots.get(storage._cdata)
         if info is None:
             if storage.nbytes() == 0:
                 return None
@@ -639,7 +667,7 @@ class SimDevice(TorchBackend):
             if isinstance(item, _Wait):
                 self._run(item.event.stream, item.event.pos)
             else:
-                self._exec(item.dst, item.src)
+                self._exec(item.dst, item.src, item.offset)
                 if item.dev_key is not None:
                     held = self._held.get(item.dev_key)
                     if held is not None:
@@ -653,9 +681,13 @@ class SimDevice(TorchBackend):
             self._poll()
             self._run(event.stream, event.pos)
 
-    def _exec(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _exec(self, dst: torch.Tensor, src: torch.Tensor, offset: int = 0) -> None:
         with self._quiet():
-            dst.untyped_storage().copy_(src.untyped_storage())
+            source = src.untyped_storage()
+            target = dst.untyped_storage()
+            if offset or target.nbytes() != source.nbytes():  # a slot of a bucket's buffer
+                target = target[offset:offset + source.nbytes()]
+            target.copy_(source)
 
     def _progress(self) -> None:
         """Random mode: maybe run one queued item early."""
@@ -755,7 +787,7 @@ class SimDevice(TorchBackend):
                 key = storage._cdata
                 if key in inputs or storage.nbytes() == 0:
                     continue
-                info = self._info.get(key)
+                info = self._info.get(key) or self._slots.get(key)
                 if info is None:
                     if stream.lazy:
                         self._hazard(f"{name} allocated {storage.nbytes()} device bytes while copy stream "

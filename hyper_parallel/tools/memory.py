@@ -215,9 +215,21 @@ class _CpuStorageTracker:
             if is_host_storage(st):
                 return
             nbytes = int(st.nbytes())
+            if not st.resizable() and self._inside_counted(st.data_ptr(), nbytes):
+                # A storage over part of a counted one's memory (a slice, e.g. a slot of the swap
+                # engine's bucket buffer: ``UntypedStorage[a:b]``): no new bytes. Allocations
+                # are resizable, so only such slices and foreign memory (from_blob) look here.
+                return
             ref = weakref.ref(st, self._on_death_cb(key))
             self._entries[key] = [ref, nbytes]
             self._add(nbytes)
+
+    def _inside_counted(self, ptr: int, nbytes: int) -> bool:
+        for ref, counted in self._entries.values():
+            other = ref()
+            if other is not None and counted and other.data_ptr() <= ptr and ptr + nbytes <= other.data_ptr() + counted:
+                return True
+        return False
 
     def register_tensor(self, t: torch.Tensor) -> None:
         for st in _storages_of(t):

@@ -268,6 +268,10 @@ class MindSporeBackend(Backend):
             out = mint.empty(0, dtype=meta.dtype, device=meta.device)
             return out.set_(typed.untyped_storage(), meta.offset, meta.size, meta.stride)
 
+    # MindSpore 2.10's UntypedStorage cannot be sliced (no storage over part of another), so a
+    # bucket's members could not get their own storage back: every storage is copied by itself.
+    supports_slots = False
+
     def empty_device_bytes(self, nbytes: int, like: ViewMeta) -> Tensor:
         with _shim.internal():
             return mint.empty(nbytes, dtype=ms.uint8, device=like.device)
@@ -276,7 +280,11 @@ class MindSporeBackend(Backend):
         with _shim.internal():
             return mint.empty(nbytes, dtype=ms.uint8, device="CPU", pin_memory=self.accelerator is not None)
 
-    def copy_bytes(self, dst: Tensor, src: Tensor) -> None:
+    def copy_bytes(self, dst: Tensor, src: Tensor, dst_offset: int = 0) -> None:
+        if dst_offset:
+            # Only bucketed copies write at an offset, and buckets are off here (supports_slots).
+            # (In MindSpore 2.10 a copy into a narrowed view does not reach the base either.)
+            raise NotImplementedError("the MindSpore backend copies whole storages only (no buckets)")
         with _shim.internal():
             dst.copy_(self._byte_view(src), non_blocking=True)
 

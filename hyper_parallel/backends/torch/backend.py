@@ -297,9 +297,17 @@ class TorchBackend(Backend):
     # ------------------------------------------------------------------ byte views, allocation, copies
     # Autograd never sees these ops: their inputs are detached aliases and byte tensors that do
     # not require grad, so no grad-mode context is needed around them.
-    def rebuild_view(self, flat: torch.Tensor, meta: ViewMeta) -> torch.Tensor:
-        return torch.empty(0, dtype=meta.dtype, device=flat.device).set_(
-            flat.untyped_storage(), meta.offset, meta.size, meta.stride)
+    def rebuild_view(self, flat: Any, meta: ViewMeta) -> torch.Tensor:
+        storage = flat if isinstance(flat, torch.UntypedStorage) else flat.untyped_storage()
+        return torch.empty(0, dtype=meta.dtype, device=storage.device).set_(storage, meta.offset, meta.size, meta.stride)
+
+    supports_slots = True
+
+    def slot_bytes(self, buf: torch.Tensor, offset: int, nbytes: int) -> torch.UntypedStorage:
+        # Slicing an UntypedStorage makes a StorageImpl over the same memory whose deleter holds a
+        # reference to the whole one: the bucket's block is freed when its last slot dies. The
+        # caching allocator knows only the whole block, so ``mark_used_by`` is always given that.
+        return buf.untyped_storage()[offset:offset + nbytes]
 
     def empty_device_bytes(self, nbytes: int, like: ViewMeta) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
@@ -318,10 +326,22 @@ class TorchBackend(Backend):
         if self.accelerator is not None:
             _shim.empty_host_cache()
 
-    def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        # A storage-to-storage copy: the same asynchronous copy on the current stream as
-        # Tensor.copy_, without building a byte view of the source first.
-        dst.untyped_storage().copy_(src.untyped_storage(), non_blocking=True)
+    def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor, dst_offset: int = 0) -> None:
+        source = src.untyped_storage()
+        target = dst.untyped_storage()
+        if dst_offset == 0 and target.nbytes() == source.nbytes():
+            # A storage-to-storage copy: the same asynchronous copy on the current stream as
+            # Tensor.copy_, without building a byte view of the source first.
+            target.copy_(source, non_blocking=True)
+            return
+        if self.accelerator is None:  # host to host: the cheapest form, a copy into a storage slice
+            target[dst_offset:dst_offset + source.nbytes()].copy_(source)
+            return
+        # Into a slot of a bucket's pinned buffer: a tensor copy between byte views, so that the
+        # copy sees the buffer's own allocation and the host allocator records the copy against
+        # that block (a storage slice would be memory it does not know).
+        whole = torch.empty(0, dtype=torch.uint8, device=src.device).set_(source)
+        dst.narrow(0, dst_offset, source.nbytes()).copy_(whole, non_blocking=True)
 
     def mark_used_by(self, t: torch.Tensor, stream: Any) -> None:
         if stream is not None and t.device.type != "cpu":

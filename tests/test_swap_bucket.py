@@ -1,0 +1,219 @@
+"""Bucketed copies (``core/swap_bucket.py``): the small storages of one region's forward share a
+host buffer and come back with one copy, each with its own storage and exact layout.
+
+The integration tests run on the CPU backend and on the simulated device (``[sim]``: deferred
+copies, poisoned memory, the happens-before checker)."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
+from hyper_parallel.core.swap_bucket import DEFAULT_BUCKET_BYTES, SLOT_ALIGN, plan_buckets
+from hyper_parallel.core.swap_tensor import TensorState
+from hyper_parallel.tools.memory import MemoryMeter
+
+from support import sim_scenarios as sc
+from support.swap_models import ToyNet, assert_tensors_equal, chain, grads, make_input
+
+pytestmark = pytest.mark.sim_device
+
+
+class _Sized:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
+def test_plan_packs_small_storages_into_aligned_slots_and_leaves_large_ones_alone():
+    ts = [_Sized(100), _Sized(600), _Sized(512), _Sized(1), _Sized(300)]
+    buckets, solos = plan_buckets(ts, 8192)  # small: at most 8192 // 16 = 512 bytes
+    assert solos == [ts[1]]
+    assert buckets == [([ts[0], ts[2], ts[3], ts[4]], [0, 512, 1024, 1536], 1836)]
+    assert all(offset % SLOT_ALIGN == 0 for offset in buckets[0][1])
+
+
+def test_plan_closes_a_bucket_at_its_cap_and_never_makes_a_bucket_of_one(swap_backend):
+    ts = [_Sized(100) for _ in range(5)]
+    buckets, solos = plan_buckets(ts, 2048)  # four slots fit (the last ends at 1636), the fifth would not
+    assert buckets == [(ts[:4], [0, 512, 1024, 1536], 1636)] and solos == [ts[4]]
+    assert plan_buckets(ts, 0) == ([], ts)  # bucketing off
+
+
+def _saved_layout(views):
+    return [(v.shape, v.stride(), v.storage_offset(), v.untyped_storage().nbytes(), v.dtype) for v in views]
+
+
+def _count_copies(monkeypatch, backend):
+    calls = []
+    original = backend.copy_bytes
+
+    def counting(dst, src, dst_offset=0):
+        calls.append(dst_offset)
+        original(dst, src, dst_offset)
+
+    monkeypatch.setattr(backend, "copy_bytes", counting)
+    return calls
+
+
+def test_a_region_comes_back_with_one_copy_per_bucket_with_exact_views(monkeypatch, swap_backend):
+    mgr = SwapManager()
+    storage = mgr.new_storage("g")
+    base = torch.randn(6, 10)
+    originals = [torch.randn(3, 5), torch.randn(64), base[1:4, 2:7], base.t(), torch.arange(7),
+                 torch.randn(2, 3).expand(4, 2, 3), torch.randn(8, 8) > 0]
+    # detached, as the packer's aliases are (a view's _base would hold the storage a second time)
+    views = [storage.add_swap(t.detach()) for t in originals]
+    del base, originals  # only the swap system holds them now (else they are skipped as shared)
+    values = [v.get_val().clone() for v in views]
+    layout = _saved_layout([v.get_val() for v in views])
+    mgr.launch_offload("g"); mgr.wait_offload("g")
+    tensors = {id(v._swap_tensor): v._swap_tensor for v in views}.values()
+    assert all(t.state is TensorState.HOST for t in tensors)
+    buckets = {t.bucket for t in tensors}
+    assert len(buckets) == 1 and None not in buckets  # 6 storages (two views share one), one bucket
+    copies = _count_copies(monkeypatch, mgr.backend)
+    mgr.launch_load("g"); mgr.wait_load("g")
+    assert copies == [0], copies  # one host-to-device copy for the whole bucket
+    back = [v.get_val() for v in views]
+    assert _saved_layout(back) == layout  # shape, stride, storage offset and size, dtype
+    assert all(torch.equal(b, v) for b, v in zip(back, values))
+    # aliases stay aliases: the two views of `base` share one reloaded storage, others do not
+    assert back[2].untyped_storage().data_ptr() == back[3].untyped_storage().data_ptr()
+    assert len({b.untyped_storage().data_ptr() for b in back}) == 6
+    # ... all inside one device block
+    block = next(iter(tensors))._block
+    lo, hi = block.data_ptr(), block.data_ptr() + block.untyped_storage().nbytes()
+    assert all(lo <= b.untyped_storage().data_ptr() < hi for b in back)
+
+
+def test_the_bucket_device_block_lives_as_long_as_its_last_member(swap_backend):
+    mgr = SwapManager()
+    storage = mgr.new_storage("g")
+    views = [storage.add_swap(torch.randn(16)) for _ in range(3)]
+    mgr.launch_offload("g"); mgr.wait_offload("g")
+    mgr.launch_load("g"); mgr.wait_load("g")
+    block = weakref.ref(views[0]._swap_tensor._block.untyped_storage())
+    for i in range(3):
+        views[i].get_val()  # rebuilt, then dropped at once
+        views[i] = None     # autograd releases the saved tensor: its slot goes
+        assert (block() is None) == (i == 2), i
+
+
+def test_a_budgeted_load_takes_a_bucket_whole_or_not_at_all(swap_backend):
+    mgr = SwapManager()
+    storage = mgr.new_storage("g")
+    views = [storage.add_swap(torch.randn(32)) for _ in range(3)]  # 128 bytes each, one bucket
+    mgr.launch_offload("g"); mgr.wait_offload("g")
+    tensors = [v._swap_tensor for v in views]
+    mgr.launch_load("g", limit_bytes=2 * 128)  # room for two of three: the bucket does not fit
+    assert [t.state for t in tensors] == [TensorState.HOST] * 3
+    mgr.launch_load("g", limit_bytes=3 * 128)
+    assert [t.state for t in tensors] == [TensorState.H2D] * 3
+    mgr.wait_load("g")
+    assert mgr.stats()["loaded_bytes"] == 3 * 128
+
+
+def test_swap_wrapper_gradients_are_bitwise_with_buckets_and_without(monkeypatch, swap_backend):
+    reference = sc.reference_grads()
+    for bucket_bytes in (DEFAULT_BUCKET_BYTES, 0):
+        mgr = SwapManager()
+        mgr.reset()
+        mgr.set_bucket_bytes(bucket_bytes)
+        net = sc.swapped_net()
+        mgr.set_current_group_name("g")
+        loss = net(make_input(net))
+        mgr.set_current_group_name(None)
+        mgr.launch_offload("g"); mgr.wait_offload("g")
+        stored = [t for s in mgr._group("g").storages() for t in s.swap_tensors() if t.state is TensorState.HOST]
+        copies = _count_copies(monkeypatch, mgr.backend)
+        mgr.launch_load("g"); mgr.wait_load("g")
+        monkeypatch.undo()
+        loss.backward()
+        assert_tensors_equal(grads(net), reference, f"bucket_bytes={bucket_bytes}")
+        per_region = len(net.layers)  # the toy's storages are all small: one bucket per region
+        assert len(copies) == (per_region if bucket_bytes else len(stored)), (bucket_bytes, len(copies))
+        assert len(stored) > 2 * per_region
+
+
+def test_layer_chain_loads_a_bucket_on_first_use_and_stays_bitwise(monkeypatch, swap_backend):
+    mgr = SwapManager()
+    net = ToyNet(layers=4)
+    reference = ToyNet(layers=4)
+    for i, layer in enumerate(net.layers):
+        net.layers[i] = swap_wrapper(layer)
+    chain(net.layers)
+    x = make_input(net)
+    loss = net(x)
+    offloaded = mgr.stats()["offloaded_bytes"]
+    on_host = sum(1 for name in mgr.group_names() for s in mgr._group(name).storages()
+                  for t in s.swap_tensors() if t.state is TensorState.HOST)
+    copies = _count_copies(monkeypatch, mgr.backend)
+    loss.backward()
+    reference(x).backward()
+    assert_tensors_equal(grads(net), grads(reference), "chained, bucketed")
+    s = mgr.stats()
+    assert 0 < s["loaded_bytes"] <= offloaded
+    # a bucket per layer, plus the layer inputs (offloaded alone, one launch later)
+    assert 0 < len(copies) <= 2 * (len(net.layers) - 1) < on_host, (len(copies), on_host)
+    assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
+
+
+@pytest.mark.sim_only
+def test_a_failed_copy_inside_a_bucket_returns_the_unused_shares(sim):
+    mgr = SwapManager()
+    net = sc.swapped_net()
+    mgr.set_current_group_name("g")
+    loss = net(make_input(net))
+    mgr.set_current_group_name(None)
+    count = [0]
+
+    def fail_second(*args):
+        count[0] += 1
+        if count[0] == 2:
+            raise RuntimeError("injected copy failure")
+
+    sim.before_call["copy_bytes"] = fail_second
+    with pytest.raises(RuntimeError, match="injected"):
+        mgr.launch_offload("g")
+    del sim.before_call["copy_bytes"]
+    tensors = [t for s in mgr._group("g").storages() for t in s.swap_tensors()]
+    in_flight = [t for t in tensors if t.state is TensorState.D2H]
+    assert len(in_flight) == 1 and in_flight[0].bucket is not None
+    # the started member still holds the bucket's buffer; the failed and unstarted ones gave theirs up
+    assert mgr.stats()["host_pool"]["in_use_bytes"] == in_flight[0].bucket.nbytes
+    mgr.wait_offload("g")
+    mgr.launch_offload("g"); mgr.wait_offload("g")  # the rest go now
+    mgr.launch_load("g"); mgr.wait_load("g")
+    loss.backward()
+    assert_tensors_equal(grads(net), sc.reference_grads(), "grads")
+    assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
+
+
+def test_set_bucket_bytes_checks_its_argument_and_reset_restores_the_default(swap_backend):
+    mgr = SwapManager()
+    assert mgr.bucket_bytes() == DEFAULT_BUCKET_BYTES
+    for bad in (-1, 1.5, "1MB", True, None):
+        with pytest.raises(TypeError, match="number of bytes"):
+            mgr.set_bucket_bytes(bad)
+    mgr.set_bucket_bytes(0)
+    storage = mgr.new_storage("g")
+    views = [storage.add_swap(torch.randn(8)) for _ in range(3)]
+    mgr.launch_offload("g"); mgr.wait_offload("g")
+    assert all(v._swap_tensor.bucket is None for v in views)
+    mgr.reset()
+    assert mgr.bucket_bytes() == DEFAULT_BUCKET_BYTES
+
+
+@pytest.mark.no_sim("the CPU memory meter counts real CPU storages")
+def test_the_cpu_memory_meter_counts_a_bucket_block_once_not_once_more_per_slot():
+    backend = SwapManager().backend
+    with MemoryMeter("cpu") as meter:
+        block = torch.empty(4096, dtype=torch.uint8)
+        before = meter.current_bytes
+        slots = [backend.slot_bytes(block, 512 * i, 256) for i in range(4)]
+        views = [torch.empty(0).set_(s, 0, (64,), (1,)) for s in slots]
+        assert meter.current_bytes == before
+        assert all(v.untyped_storage().nbytes() == 256 for v in views)
