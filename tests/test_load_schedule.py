@@ -22,8 +22,8 @@ N_LAYERS = 4
 # layer later; backward makes no load call: each offloaded tensor is loaded when autograd unpacks it.
 CPU_FORWARD_CALLS = [
     ("launch_offload", "layer_0"), ("wait_offload", "layer_0"),
-    ("launch_offload", "layer_1"), ("wait_offload", "layer_1"), ("launch_offload", "layer_0"),
-    ("launch_offload", "layer_2"), ("wait_offload", "layer_2"), ("launch_offload", "layer_1"),
+    ("launch_offload", "layer_1"), ("wait_offload", "layer_1"), ("_retry_offload", "layer_0"),
+    ("launch_offload", "layer_2"), ("wait_offload", "layer_2"), ("_retry_offload", "layer_1"),
     ("wait_offload", "layer_0"),
     ("launch_offload", "layer_3"), ("wait_offload", "layer_3"), ("wait_offload", "layer_1"),
 ]

@@ -298,7 +298,7 @@ class LayerChain:
             # has moved on by now: offload it too; it is waited when the next layer ends (so not
             # after the last layer, where nothing would wait for it before backward).
             if has_next and prev_group.has_retryable():
-                self._m.launch_offload(prev_group.name)
+                self._m._retry_offload(prev_group.name)
             before = prev_link.prev() if prev_link.prev is not None else None
             if before is not None:
                 before_group = self._m._group(self._links[before].name)

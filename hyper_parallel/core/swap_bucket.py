@@ -55,7 +55,7 @@ def plan_buckets(tensors: Sequence[Any], bucket_bytes: int) -> Tuple[List[Tuple[
 
     Returns ``(buckets, solos)``: each bucket is ``(members, offsets, nbytes)`` with at least two
     members; every tensor that is not small, or would be alone in its bucket, is a solo."""
-    if bucket_bytes <= 0:
+    if bucket_bytes <= 0 or len(tensors) < 2:
         return [], list(tensors)
     small_limit = bucket_bytes // SMALL_FRACTION
     buckets: List[Tuple[List[Any], List[int], int]] = []
@@ -63,28 +63,27 @@ def plan_buckets(tensors: Sequence[Any], bucket_bytes: int) -> Tuple[List[Tuple[
     members: List[Any] = []
     offsets: List[int] = []
     end = 0
-
-    def close() -> None:
-        if len(members) > 1:
-            buckets.append((list(members), list(offsets), end))
-        else:
-            solos.extend(members)
-        members.clear()
-        offsets.clear()
-
     for t in tensors:
         if t.nbytes > small_limit:
             solos.append(t)
             continue
         start = _aligned(end)
-        if members and start + t.nbytes > bucket_bytes:
-            close()
-            start = 0
+        if members and start + t.nbytes > bucket_bytes:  # full: close it, start the next
+            _close(members, offsets, end, buckets, solos)
+            members, offsets, start = [], [], 0
         members.append(t)
         offsets.append(start)
         end = start + t.nbytes
-    close()
+    _close(members, offsets, end, buckets, solos)
     return buckets, solos
+
+
+def _close(members: List[Any], offsets: List[int], end: int, buckets: List[Tuple[List[Any], List[int], int]],
+           solos: List[Any]) -> None:
+    if len(members) > 1:
+        buckets.append((members, offsets, end))
+    else:
+        solos.extend(members)  # a bucket of one would only add a slot to the same single copy
 
 
 class HostBucket:

@@ -222,19 +222,25 @@ class SwapGroup:
         with self._b.trace_range(f"hyper_parallel.launch_offload[{self.name}]"):
             self._launch_offload(copy_streams)
 
+    def retry_offload(self, copy_streams: Callable[[Any], Any]) -> None:
+        """Launch the offload of the tensors the last launch skipped as held elsewhere and that
+        are worth one more try (``SwapTensor.retryable``: a layer input, free once the caller
+        moved on), each by itself: a second look at only these, not a walk of the whole group."""
+        retry = [t for t in self._skipped_shared if t.retryable]
+        with self._b.trace_range(f"hyper_parallel.launch_offload[{self.name}]"):
+            self._launch_offload(copy_streams, runs=[[t] for t in retry])
+
     def offload_now(self, tensors: Sequence[SwapTensor], copy_streams: Callable[[Any], Any]) -> None:
         """Offload ``tensors`` and wait: one launch and its wait (the layer chain's early
         offload where copies are synchronous, see ``Storage.on_saved``)."""
         with self._b.trace_range(f"hyper_parallel.launch_offload[{self.name}]"):
-            self._launch_offload(copy_streams, list(tensors))
+            self._launch_offload(copy_streams, runs=[list(tensors)])
         self.wait_offload()
 
-    def _offload_runs(self, only: Optional[List[SwapTensor]]) -> List[List[SwapTensor]]:
-        """What an offload launch considers, one list per storage (a bucket never spans two
-        regions' forwards): ``only`` (one storage's, the early offload), or every storage's
-        tensors on the device and not kept for good, in the order they were saved."""
-        if only is not None:
-            return [only]
+    def _offload_runs(self) -> List[List[SwapTensor]]:
+        """What a launch of the whole group considers, one list per storage (a bucket never spans
+        two regions' forwards): every storage's tensors on the device and not kept for good, in
+        the order they were saved."""
         runs = []
         for r in self._storages:
             s = r()
@@ -244,9 +250,11 @@ class SwapGroup:
                     runs.append(run)
         return runs
 
-    def _launch_offload(self, copy_streams: Callable[[Any], Any], only: Optional[List[SwapTensor]] = None) -> None:
+    def _launch_offload(self, copy_streams: Callable[[Any], Any], runs: Optional[List[List[SwapTensor]]] = None) -> None:
+        """``runs``: the tensors to consider, one list per storage (default: the whole group's)."""
         p = self._b
-        runs = self._offload_runs(only)
+        if runs is None:
+            runs = self._offload_runs()
         skipped: List[SwapTensor] = []
         self._skipped_shared = skipped
         try:

@@ -302,6 +302,12 @@ class SwapManager:
             if group is not None:
                 group.launch_offload(self._streams(copy_stream))
 
+    def _retry_offload(self, group_name: str) -> None:
+        """The layer chain's second try: launch the offload of what group ``group_name``'s last
+        launch skipped because somebody else held it then (``SwapGroup.retry_offload``)."""
+        with self._locked():
+            self._group(group_name).retry_offload(self._copy_stream_for)
+
     def wait_offload(self, group_name: str) -> None:
         """Make compute wait for the group's offload and release its device memory."""
         with self._locked():

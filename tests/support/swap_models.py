@@ -38,7 +38,8 @@ __all__ = [
     "round_trip",
 ]
 
-MANAGER_CALLS = ("launch_offload", "wait_offload", "launch_load", "wait_load")
+# (_retry_offload: the layer chain's second offload try of what a launch skipped as held elsewhere)
+MANAGER_CALLS = ("launch_offload", "_retry_offload", "wait_offload", "launch_load", "wait_load")
 
 
 class ToyBlock(nn.Module):

@@ -493,6 +493,8 @@ class TorchBackend(Backend):
         return _FROM_TORCH.get(value) if isinstance(value, _TORCH_POLICY) else None
 
     def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+        if isinstance(tree, torch.Tensor):  # the common case (one op output), without pytree
+            return fn(tree)
         return tree_map(fn, tree)
 
     def tree_leaves(self, tree: Any) -> List[Any]:
