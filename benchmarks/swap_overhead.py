@@ -25,7 +25,8 @@ step of each per round, the order reversed every other round) with medians:
 
 Columns: tensors and bytes copied out / back per step (ours: storages whose offload started,
 counted in an untimed step, and ``SwapManager().stats()`` bytes; peers: their hooks' counters),
-``us/tensor`` = (median - none's) / tensors out, and whether the gradients equal ``none``'s
+``copies back`` = the host-to-device copies ours issued (one per bucket of small storages, or per
+storage: ``SwapManager().set_bucket_bytes``), ``us/tensor`` = (median - none's) / tensors out, and whether the gradients equal ``none``'s
 bitwise. Pairs: ratio ours / peer and the overhead per swapped tensor, (ours - peer) / ours' tensors.
 Targets (issue 12): ``ours_swap_wrapper <= 1.5x copy_hooks``, ``ours_ckpt_swap <= 1.25x torch_sac_copy``.
 
@@ -80,14 +81,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                        rounds=args.rounds, warmup=args.warmup, seed=args.seed)
     rows, base = out["results"], out["results"]["none"]["median_s"]
     print(report.table(
-        ["variant", "who", "median ms", "min ms", "vs none", "tensors out", "KiB out", "KiB back", "us/tensor",
-         "grads = none"],
+        ["variant", "who", "median ms", "min ms", "vs none", "tensors out", "KiB out", "KiB back", "copies back",
+         "us/tensor", "grads = none"],
         [[n, r["who"], fmt(r["median_s"] * 1e3, "%.2f"), fmt(r["min_s"] * 1e3, "%.2f"),
           fmt(report.ratio(r["median_s"], base), "%.2fx"), r["moved"]["tensors"],
           "%.1f" % (r["moved"]["d2h"] / 1024), "%.1f" % (r["moved"]["h2d"] / 1024),
+          "-" if r["moved"]["copies_back"] is None else r["moved"]["copies_back"],
           fmt(r["us_per_tensor_vs_none"], "%.1f"), "yes" if r["grads_equal_to_none"] else "NO"]
-         for n, r in rows.items()], align="ll" + "r" * 8))
+         for n, r in rows.items()], align="ll" + "r" * 9))
     print(report.legend([(n, r["what"]) for n, r in rows.items()]))
+    print("copies back = host-to-device copies ours issued per step (one per bucket of small storages, "
+          "or per storage; SwapManager().set_bucket_bytes); '-': a peer, one per tensor back")
     print("us/tensor = (median - none's median) / tensors copied out per step")
     print(report.table(
         ["ours", "peer", "ratio", "target", "", "ratio of min", "tensors ours", "tensors peer", "overhead us/tensor"],

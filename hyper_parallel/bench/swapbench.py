@@ -193,25 +193,31 @@ OVERHEAD_PAIRS: Tuple[Tuple[str, str, Optional[float]], ...] = (
 
 @contextlib.contextmanager
 def counting_offloads() -> Iterator[Dict[str, int]]:
-    """Count the swapped tensors (storages whose device-to-host copy started) while inside: the
-    engine's ``SwapManager().stats()`` counts bytes and launches, not tensors. Instruments
-    ``SwapTensor.start_offload`` for the duration (use it around an untimed step)."""
+    """Count the swapped tensors (storages whose device-to-host copy started) and the
+    host-to-device copies issued to bring them back (one per bucket of small storages, or per
+    storage) while inside: the engine's ``SwapManager().stats()`` counts bytes and launches, not
+    tensors or copies. Instruments ``SwapTensor.start_offload`` and ``SwapTensor.copy_in`` for the
+    duration (use it around an untimed step)."""
     from hyper_parallel.core import swap_tensor
 
     cls = swap_tensor.SwapTensor
-    original = cls.start_offload
-    counts = {"tensors": 0, "bytes": 0}
+    original, original_in = cls.start_offload, cls.copy_in
+    counts = {"tensors": 0, "bytes": 0, "copies_back": 0}
 
     def start_offload(self, *args, **kwargs):
         original(self, *args, **kwargs)
         counts["tensors"] += 1
         counts["bytes"] += int(self.nbytes)
 
-    cls.start_offload = start_offload
+    def copy_in(self, copy_stream, issue=True):
+        original_in(self, copy_stream, issue)
+        counts["copies_back"] += int(issue)
+
+    cls.start_offload, cls.copy_in = start_offload, copy_in
     try:
         yield counts
     finally:
-        cls.start_offload = original
+        cls.start_offload, cls.copy_in = original, original_in
 
 
 def _grads(model: nn.Module) -> List[Optional[torch.Tensor]]:
@@ -270,13 +276,15 @@ def run_overhead(names: Sequence[str], *, blocks: int, dim: int, hidden: int, ba
         equal = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                     for a, b in zip(grads, ref_grads))
         if c is not None:
-            moved = {"tensors": c.tensors - before[0], "d2h": c.d2h - before[1], "h2d": c.h2d - before[2]}
+            moved = {"tensors": c.tensors - before[0], "d2h": c.d2h - before[1], "h2d": c.h2d - before[2],
+                     "copies_back": None}
         elif OVERHEAD_VARIANTS[n].swaps:
             moved = {"tensors": counted["tensors"],
                      "d2h": stats1["offloaded_bytes"] - stats0["offloaded_bytes"],
-                     "h2d": stats1["loaded_bytes"] - stats0["loaded_bytes"]}
+                     "h2d": stats1["loaded_bytes"] - stats0["loaded_bytes"],
+                     "copies_back": counted["copies_back"]}
         else:
-            moved = {"tensors": 0, "d2h": 0, "h2d": 0}
+            moved = {"tensors": 0, "d2h": 0, "h2d": 0, "copies_back": 0}
         rows[n] = {"who": OVERHEAD_VARIANTS[n].who, "what": OVERHEAD_VARIANTS[n].what, "moved": moved,
                    "grads_equal_to_none": equal, "times_s": []}
     for _, n in interleaved(names, rounds):
