@@ -34,6 +34,7 @@ Run::
 
     python benchmarks/swap_overhead.py                      # 48 blocks, dim 32, hidden 64, batch 8
     python benchmarks/swap_overhead.py --rounds 60 --json out.json
+    python benchmarks/swap_overhead.py --bucket-bytes 1048576        # small storages in buckets
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import torch  # noqa: E402
 from hyper_parallel.bench import report  # noqa: E402
 from hyper_parallel.bench.report import fmt  # noqa: E402
 from hyper_parallel.bench.swapbench import OVERHEAD_VARIANTS, run_overhead  # noqa: E402
+from hyper_parallel.core.activation_checkpoint import SwapManager  # noqa: E402
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -64,6 +66,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="comma-separated, of: %s ('none' always runs)" % ", ".join(OVERHEAD_VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    ap.add_argument("--bucket-bytes", type=int, default=0, metavar="N",
+                    help="SwapManager().set_bucket_bytes(N) for our variants (default 0: off)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
@@ -72,6 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(OVERHEAD_VARIANTS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    SwapManager().set_bucket_bytes(args.bucket_bytes)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"swap_overhead on cpu, torch {torch.__version__}, {torch.get_num_threads()} thread(s): blocks={args.blocks} "
           f"dim={args.dim} hidden={args.hidden} batch={args.batch}; warmup {args.warmup}, 1 counting step, "

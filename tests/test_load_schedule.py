@@ -90,7 +90,6 @@ def test_budget_none_restores_the_rfc_schedule_and_validates():
 
 def test_limited_load_goes_in_backward_use_order_and_leaves_the_rest_on_the_host():
     mgr = SwapManager()
-    mgr.set_bucket_bytes(0)  # per storage here; a bucket counts as one (test_swap_bucket.py)
     storage = mgr.new_storage("g")
     sizes = [64, 128, 256]  # saved in this order: backward needs the last one first
     views = [storage.add_swap(torch.randn(n)) for n in sizes]
@@ -121,7 +120,6 @@ def test_budgeted_prefetch_brings_back_at_most_the_budget_ahead():
 
     for i, layer in enumerate(net.layers):
         layer.register_full_backward_hook(watch(i))
-    mgr.set_bucket_bytes(0)  # the toy's storages are small: bucketed, a layer would be one unit
     loss = net(x)
     budget = mgr.stats()["groups"]["layer_1"]["offloaded_bytes"] // 2
     mgr.set_prefetch_budget(budget)

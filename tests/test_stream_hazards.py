@@ -134,7 +134,6 @@ def test_h6_failure_on_the_second_copy_of_an_offload(sim):
     buffer was never given back), and the started tensor was left in 'd2h' without its event
     (``offload_pending`` was set after the loop, which the exception skipped)."""
     mgr = SwapManager()
-    mgr.set_bucket_bytes(0)  # one copy per storage (the bucketed case: test_swap_bucket.py)
     net = sc.swapped_net()
     mgr.set_current_group_name("g")
     loss = net(make_input(net))

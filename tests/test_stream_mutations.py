@@ -28,6 +28,14 @@ SCENARIOS = {
 }
 
 
+@pytest.fixture(autouse=True, params=[0, 1 << 20], ids=["solo", "buckets"])
+def bucketing(request, monkeypatch):
+    """Every schedule and mutation runs twice: each storage copied by itself, and the toy's small
+    storages in buckets (one host buffer and one load copy per region: ``core/swap_bucket.py``)."""
+    monkeypatch.setattr(sc, "BUCKET_BYTES", request.param)
+    return request.param
+
+
 def _noop(*args, **kwargs):
     return None
 

@@ -1,8 +1,10 @@
-"""Bucketed copies (``core/swap_bucket.py``): the small storages of one region's forward share a
-host buffer and come back with one copy, each with its own storage and exact layout.
+"""Bucketed copies (``core/swap_bucket.py``, opt-in with ``SwapManager().set_bucket_bytes``): the
+small storages of one region's forward share a host buffer and come back with one copy, each with
+its own storage and exact layout.
 
 The integration tests run on the CPU backend and on the simulated device (``[sim]``: deferred
-copies, poisoned memory, the happens-before checker)."""
+copies, poisoned memory, the happens-before checker), with 1 MiB buckets unless they say
+otherwise; ``test_stream_mutations.py`` also runs every ordering mutation with buckets on."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
-from hyper_parallel.core.swap_bucket import DEFAULT_BUCKET_BYTES, SLOT_ALIGN, plan_buckets
+from hyper_parallel.core.swap_bucket import SLOT_ALIGN, plan_buckets
 from hyper_parallel.core.swap_tensor import TensorState
 from hyper_parallel.tools.memory import MemoryMeter
 
@@ -20,6 +22,13 @@ from support import sim_scenarios as sc
 from support.swap_models import ToyNet, assert_tensors_equal, chain, grads, make_input
 
 pytestmark = pytest.mark.sim_device
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def buckets_on(fresh_manager):
+    fresh_manager.set_bucket_bytes(MiB)
 
 
 class _Sized:
@@ -102,6 +111,20 @@ def test_the_bucket_device_block_lives_as_long_as_its_last_member(swap_backend):
         assert (block() is None) == (i == 2), i
 
 
+def test_a_member_autograd_dropped_while_on_the_host_does_not_hold_the_block(swap_backend):
+    """A saved tensor whose node died while it was offloaded (a branch that does not reach the
+    loss) comes back with its bucket; it must not keep the bucket's block alive after the others."""
+    mgr = SwapManager()
+    storage = mgr.new_storage("g")
+    views = [storage.add_swap(torch.randn(16)) for _ in range(3)]
+    mgr.launch_offload("g"); mgr.wait_offload("g")
+    views[0] = None  # dropped while on the host
+    mgr.launch_load("g"); mgr.wait_load("g")
+    block = weakref.ref(views[1]._swap_tensor._block.untyped_storage())
+    views[1] = views[2] = None
+    assert block() is None
+
+
 def test_a_budgeted_load_takes_a_bucket_whole_or_not_at_all(swap_backend):
     mgr = SwapManager()
     storage = mgr.new_storage("g")
@@ -118,7 +141,7 @@ def test_a_budgeted_load_takes_a_bucket_whole_or_not_at_all(swap_backend):
 
 def test_swap_wrapper_gradients_are_bitwise_with_buckets_and_without(monkeypatch, swap_backend):
     reference = sc.reference_grads()
-    for bucket_bytes in (DEFAULT_BUCKET_BYTES, 0):
+    for bucket_bytes in (MiB, 0):
         mgr = SwapManager()
         mgr.reset()
         mgr.set_bucket_bytes(bucket_bytes)
@@ -192,19 +215,26 @@ def test_a_failed_copy_inside_a_bucket_returns_the_unused_shares(sim):
     assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
 
 
-def test_set_bucket_bytes_checks_its_argument_and_reset_restores_the_default(swap_backend):
+def test_set_bucket_bytes_checks_its_argument_and_reset_turns_it_off(swap_backend):
     mgr = SwapManager()
-    assert mgr.bucket_bytes() == DEFAULT_BUCKET_BYTES
-    for bad in (-1, 1.5, "1MB", True, None):
+    mgr.reset()
+    assert mgr.bucket_bytes() == 0  # opt-in
+    for bad in (1.5, "1MB", True, None):
         with pytest.raises(TypeError, match="number of bytes"):
             mgr.set_bucket_bytes(bad)
+    for bad in (-1, 1, 2 * SLOT_ALIGN - 1):  # a bucket of fewer than two slots would never form
+        with pytest.raises(ValueError, match="at least two slots"):
+            mgr.set_bucket_bytes(bad)
+    mgr.set_bucket_bytes(2 * SLOT_ALIGN)
+    assert mgr.bucket_bytes() == 2 * SLOT_ALIGN
     mgr.set_bucket_bytes(0)
     storage = mgr.new_storage("g")
     views = [storage.add_swap(torch.randn(8)) for _ in range(3)]
     mgr.launch_offload("g"); mgr.wait_offload("g")
     assert all(v._swap_tensor.bucket is None for v in views)
+    mgr.set_bucket_bytes(MiB)
     mgr.reset()
-    assert mgr.bucket_bytes() == DEFAULT_BUCKET_BYTES
+    assert mgr.bucket_bytes() == 0
 
 
 @pytest.mark.no_sim("the CPU memory meter counts real CPU storages")

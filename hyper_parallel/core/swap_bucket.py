@@ -15,16 +15,18 @@ copy). The device-to-host direction still issues one copy per member: the source
 device blocks, and gathering them into one first would need a device buffer of the bucket's size
 at the moment the offload is meant to free memory.
 
-What a bucket changes for its members' tensors, and what it does not: size, stride, dtype and
-aliasing (two saved views of one storage come back as views of one slot) are restored exactly;
-the storage a reloaded tensor views is the bucket's device buffer, so its ``storage_offset`` is
-the original plus the slot's offset (in elements), and it shares that storage with its siblings
-(the buffer is freed when the last of them is released).
+What a reloaded member looks like: its slot of the device block is a storage of its own
+(``Backend.slot_bytes``: a storage slice in PyTorch, sharing the block's memory and keeping it
+alive), so size, stride, storage offset, storage size, dtype and aliasing (two saved views of one
+storage come back as views of one slot) are exactly the original's; the block is freed when the
+last member's tensors are. Such a storage is not an allocation of the framework's allocator:
+``record_stream`` on it is ignored (the engine only ever records the block itself), which is why
+bucketing is opt-in (see ``SwapManager.set_bucket_bytes``).
 
 Bucket sizes: a storage of at most ``bucket_bytes // SMALL_FRACTION`` bytes is small, and a
-bucket holds at most ``bucket_bytes`` (``SwapManager().set_bucket_bytes``; 0 turns bucketing
-off). A bucket is never filled across regions' forwards, so a per-micro-batch load still brings
-back only the forward whose backward is next.
+bucket holds at most ``bucket_bytes`` (``SwapManager().set_bucket_bytes``; 0, the default, turns
+bucketing off). A bucket is never filled across regions' forwards, so a per-micro-batch load
+still brings back only the forward whose backward is next.
 """
 
 from __future__ import annotations
@@ -32,10 +34,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, List, Sequence, Tuple
 
-__all__ = ["HostBucket", "DEFAULT_BUCKET_BYTES", "SLOT_ALIGN", "SMALL_FRACTION", "plan_buckets"]
+__all__ = ["HostBucket", "SLOT_ALIGN", "SMALL_FRACTION", "plan_buckets"]
 
-#: Default cap of one bucket in bytes (``SwapManager().set_bucket_bytes``).
-DEFAULT_BUCKET_BYTES = 1 << 20
 #: A storage is small (bucketed) when it holds at most ``bucket_bytes // SMALL_FRACTION`` bytes.
 SMALL_FRACTION = 16
 #: Every slot starts at a multiple of this many bytes: the block alignment of PyTorch's CUDA

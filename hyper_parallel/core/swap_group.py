@@ -154,7 +154,8 @@ class SwapGroup:
         if self.offload_pending:
             self.wait_offload()
         if self.has_state(TensorState.HOST) or self.has_state(TensorState.D2H):
-            self.launch_load(lambda device: None)  # copies on the compute stream, in its order
+            # The copies go on the compute stream, in its order; its event guards the host buffers.
+            self.launch_load(self._b.current_stream)
         if self.load_pending:
             self.wait_load()
 

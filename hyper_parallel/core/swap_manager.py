@@ -11,7 +11,7 @@ from .backend import Backend, active_backend
 from .host_pool import HostBufferPool
 from .layer_chain import LayerChain
 from .storage import Storage
-from .swap_bucket import DEFAULT_BUCKET_BYTES
+from .swap_bucket import SLOT_ALIGN
 from .swap_group import GroupStats, SwapGroup
 from .swap_tensor import TensorState
 
@@ -112,7 +112,7 @@ class SwapManager:
         self._current_group_name: Optional[str] = None
         self._copy_streams: Dict[Any, Any] = {}  # device -> the manager's copy stream there
         self._prefetch_budget: Any = _AUTO
-        self._bucket_bytes = self._default_bucket_bytes()
+        self._bucket_bytes = 0  # bucketed copies are opt-in (see set_bucket_bytes)
         # The storage sets of the chained layer forwards running now (innermost last): a storage
         # made while one runs belongs to that forward (see LayerChain).
         self._forward_records: List[Any] = []
@@ -375,25 +375,34 @@ class SwapManager:
         return None if self.copies_overlap() else 0
 
     def set_bucket_bytes(self, nbytes: int) -> None:
-        """Cap, in bytes, of one bucket of small saved storages (default 1 MiB; ``0`` turns
-        bucketing off). An offload packs the storages of at most ``nbytes // 16`` bytes that one
-        region's forward saved into shared host buffers of at most ``nbytes``, and a load brings
-        each such buffer back with one copy into one device buffer: one copy launch and one
+        """Move small saved tensors in buckets of at most ``nbytes`` (``0``, the default: every
+        storage by itself). An offload packs the storages of at most ``nbytes // 16`` bytes that
+        one region's forward saved into shared host buffers of at most ``nbytes``, and a load
+        brings each such buffer back with one copy into one device block: one copy launch and one
         allocation per bucket instead of one per tensor (``core/swap_bucket.py``). Loading any
         tensor of a bucket loads the whole bucket, so a load on use brings up to ``nbytes`` at once.
 
-        A bucket needs the framework to make a storage over part of another, so that each member
-        comes back with its own storage and storage offset (``Backend.supports_slots``: PyTorch
-        can, MindSpore 2.10 cannot; there the default is 0 and a positive value is refused).
+        Each reloaded tensor keeps its exact layout (shape, stride, storage offset, dtype) over a
+        storage of its own that is a slot of the bucket's block. The one difference a program can
+        see: that storage is memory the framework's allocator did not hand out, so a
+        ``tensor.record_stream(s)`` called *on a reloaded saved tensor* by code outside the engine
+        (a custom backward handing it to a side stream) is ignored by PyTorch's caching
+        allocator; such code must keep the tensor alive until ``s`` is done with it (the engine
+        itself always protects the block). That is why bucketing is opt-in.
+
+        Needs the framework to make a storage over part of another (``Backend.supports_slots``:
+        PyTorch can, MindSpore 2.10 cannot, where a positive value is refused).
 
         Example::
 
-            >>> SwapManager().set_bucket_bytes(4 << 20)   # buckets of up to 4 MiB, of storages <= 256 KiB
+            >>> SwapManager().set_bucket_bytes(1 << 20)   # buckets of up to 1 MiB, of storages <= 64 KiB
             >>> SwapManager().set_bucket_bytes(0)         # every storage copied by itself
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise TypeError(f"set_bucket_bytes expects a number of bytes (int >= 0; 0 turns bucketing off), "
-                            f"got {nbytes!r}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"set_bucket_bytes expects a number of bytes (int; 0 turns bucketing off), got {nbytes!r}")
+        if nbytes < 0 or 0 < nbytes < 2 * SLOT_ALIGN:
+            raise ValueError(f"set_bucket_bytes({nbytes}): a bucket holds at least two slots of {SLOT_ALIGN} bytes, "
+                             f"so use 0 (off) or at least {2 * SLOT_ALIGN} (e.g. 1 << 20)")
         if nbytes and not self.backend.supports_slots:
             raise ValueError(f"set_bucket_bytes({nbytes}): the {type(self.backend).__name__} cannot make a storage "
                              "over part of another, which bucketed copies need (each reloaded tensor gets its own "
@@ -406,9 +415,6 @@ class SwapManager:
     def bucket_bytes(self) -> int:
         """The bucket cap in force (see :meth:`set_bucket_bytes`); 0: no bucketing."""
         return self._bucket_bytes
-
-    def _default_bucket_bytes(self) -> int:
-        return DEFAULT_BUCKET_BYTES if self.backend.supports_slots else 0
 
     def _waits_offload_at_once(self) -> bool:
         """Whether the layer chain waits a layer's offload right after launching it: only where
@@ -500,4 +506,4 @@ class SwapManager:
             # The backend is read again: a test or tool may have switched it (core.backend.use_backend).
             self.backend = active_backend()
             self._pool = HostBufferPool(self.backend)  # the host limit goes back to "none" too
-            self._bucket_bytes = self._default_bucket_bytes()
+            self._bucket_bytes = 0

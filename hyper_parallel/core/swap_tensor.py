@@ -187,6 +187,12 @@ class SwapTensor:
         the device (reloaded, or never moved) is needed by nobody: drop our references to it now
         rather than when the whole region's graph dies."""
         self._views -= 1
+        self._drop_if_unused()
+
+    def _drop_if_unused(self) -> None:
+        """On the device with no saved tensor left to read it (autograd dropped them all, possibly
+        while it was on the host, and a group load brought it back anyway, e.g. with its bucket):
+        let its device copy go."""
         if self._views == 0 and self.state is TensorState.DEVICE:
             self._dev = self._block = None
             self._aliases = None
@@ -261,6 +267,7 @@ class SwapTensor:
             self._src = None
             self._release_host(self._host_guard)
             self.state = TensorState.DEVICE
+            self._drop_if_unused()
             return False
         if self.state is not TensorState.HOST:
             raise RuntimeError(
@@ -319,6 +326,7 @@ class SwapTensor:
             # until the waiter (ordered after the copy) is done with it.
             self._protect(self._block, waiter)
         self.state = TensorState.DEVICE
+        self._drop_if_unused()
 
     def _order_use_after_load(self, stream: Any) -> None:
         """Ordering point: a consumer on ``stream`` (the stream current when autograd unpacks the

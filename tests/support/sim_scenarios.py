@@ -17,6 +17,9 @@ from support.swap_models import ToyNet, chain, grads, make_input
 
 NET = dict(layers=3, dim=16, hidden=32, seq=8)
 
+#: ``SwapManager().set_bucket_bytes`` for :func:`run_simulated` (tests switch bucketed copies on with it)
+BUCKET_BYTES = 0
+
 _REFERENCE: Dict[str, torch.Tensor] = {}
 
 
@@ -205,6 +208,7 @@ def run_simulated(scenario: Callable[[SimDevice], Any], **options: Any) -> Any:
     """Run ``scenario`` on a fresh non-strict ``SimDevice`` (hazards are collected, not raised);
     returns ``(result, violations, sim)``; a scenario that raises returns its exception."""
     with simulated_device(strict=False, check=False, **options) as sim:
+        SwapManager().set_bucket_bytes(BUCKET_BYTES)
         try:
             result: Optional[Any] = scenario(sim)
         except Exception as exc:  # noqa: BLE001  (the caller inspects it)

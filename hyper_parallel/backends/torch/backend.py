@@ -334,12 +334,10 @@ class TorchBackend(Backend):
             # Tensor.copy_, without building a byte view of the source first.
             target.copy_(source, non_blocking=True)
             return
-        if self.accelerator is None:  # host to host: the cheapest form, a copy into a storage slice
-            target[dst_offset:dst_offset + source.nbytes()].copy_(source)
-            return
-        # Into a slot of a bucket's pinned buffer: a tensor copy between byte views, so that the
-        # copy sees the buffer's own allocation and the host allocator records the copy against
-        # that block (a storage slice would be memory it does not know).
+        # Into a slot of a bucket's buffer: a tensor copy between byte views, so that the copy sees
+        # the buffer's own allocation (the host allocator records the copy against that pinned
+        # block; a storage slice would be memory it does not know, and a new storage to tools
+        # that count storages).
         whole = torch.empty(0, dtype=torch.uint8, device=src.device).set_(source)
         dst.narrow(0, dst_offset, source.nbytes()).copy_(whole, non_blocking=True)
 
