@@ -443,6 +443,8 @@ class SimDevice(TorchBackend):
         with self._lock:
             self._poll()
             si, di = self._get(src), self._get(dst)
+            if si is None or di is None:  # an empty storage (the simulator tracks none): no bytes to copy
+                return
             reads_dev = not si.host
             dev = si if reads_dev else di
             device = dev.device if not dev.host else self._state().device
