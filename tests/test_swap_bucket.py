@@ -44,7 +44,7 @@ def test_plan_packs_small_storages_into_aligned_slots_and_leaves_large_ones_alon
     assert all(offset % SLOT_ALIGN == 0 for offset in buckets[0][1])
 
 
-def test_plan_closes_a_bucket_at_its_cap_and_never_makes_a_bucket_of_one(swap_backend):
+def test_plan_closes_a_bucket_at_its_cap_and_never_makes_a_bucket_of_one():
     ts = [_Sized(100) for _ in range(5)]
     buckets, solos = plan_buckets(ts, 2048)  # four slots fit (the last ends at 1636), the fifth would not
     assert buckets == [(ts[:4], [0, 512, 1024, 1536], 1636)] and solos == [ts[4]]
