@@ -106,9 +106,10 @@ class HostBucket:
         # region's tensors alive until the cycle collector runs.
         self._members = [weakref.ref(t) for t in members]
 
-    def members(self) -> List[Any]:
-        """The members still alive, in slot order."""
-        return [t for t in (r() for r in self._members) if t is not None]
+    def members(self, *states: Any) -> List[Any]:
+        """The members still alive, in slot order; with ``states``, those in one of them."""
+        alive = [t for t in (r() for r in self._members) if t is not None]
+        return [t for t in alive if t.state in states] if states else alive
 
     def release(self, guard: Any) -> None:
         """A member is done with its slot (``guard``: the event after its last copy, recorded as

@@ -94,6 +94,9 @@ class SwapGroup:
         #: every storage by itself
         self.bucket_bytes = 0
         self.persistent = persistent  # layer-chain groups live as long as the chain
+        # Profiler range names, made once: the launches and waits run several times per layer.
+        self._ranges = {kind: f"hyper_parallel.{kind}[{name}]"
+                        for kind in ("launch_offload", "wait_offload", "launch_load", "wait_load")}
         # Weak references in the order the storages were added (loads go in backward-use order,
         # the reverse of it); plain refs are much cheaper to walk than a weak container.
         self._storages: List[weakref.ref] = []
@@ -220,7 +223,7 @@ class SwapGroup:
     # ------------------------------------------------------------------ offload
     def launch_offload(self, copy_streams: Callable[[Any], Any]) -> None:
         """``copy_streams(device)``: the copy stream to use for the storages of ``device``."""
-        with self._b.trace_range(f"hyper_parallel.launch_offload[{self.name}]"):
+        with self._b.trace_range(self._ranges["launch_offload"]):
             self._launch_offload(copy_streams)
 
     def retry_offload(self, copy_streams: Callable[[Any], Any]) -> None:
@@ -228,13 +231,13 @@ class SwapGroup:
         are worth one more try (``SwapTensor.retryable``: a layer input, free once the caller
         moved on), each by itself: a second look at only these, not a walk of the whole group."""
         retry = [t for t in self._skipped_shared if t.retryable]
-        with self._b.trace_range(f"hyper_parallel.launch_offload[{self.name}]"):
+        with self._b.trace_range(self._ranges["launch_offload"]):
             self._launch_offload(copy_streams, runs=[[t] for t in retry])
 
     def offload_now(self, tensors: Sequence[SwapTensor], copy_streams: Callable[[Any], Any]) -> None:
         """Offload ``tensors`` and wait: one launch and its wait (the layer chain's early
         offload where copies are synchronous, see ``Storage.on_saved``)."""
-        with self._b.trace_range(f"hyper_parallel.launch_offload[{self.name}]"):
+        with self._b.trace_range(self._ranges["launch_offload"]):
             self._launch_offload(copy_streams, runs=[list(tensors)])
         self.wait_offload()
 
@@ -344,7 +347,7 @@ class SwapGroup:
                 f"wait_offload('{self.name}') called but no offload of group '{self.name}' is in flight; "
                 f"call SwapManager().launch_offload('{self.name}') first.")
         t0 = time.perf_counter()
-        with self._b.trace_range(f"hyper_parallel.wait_offload[{self.name}]"):
+        with self._b.trace_range(self._ranges["wait_offload"]):
             for device, event in self._offload_events:
                 self._order_release_after_d2h(device, event)
             waiters: Dict[Any, Any] = {}
@@ -368,7 +371,7 @@ class SwapGroup:
         the layer wait for their backward); default all. ``limit_bytes``: load at most this many
         bytes, the tensors backward needs first (the reverse of the order they were saved in);
         the rest stay on the host for a later load. Returns the bytes whose copies were issued."""
-        with self._b.trace_range(f"hyper_parallel.launch_load[{self.name}]"):
+        with self._b.trace_range(self._ranges["launch_load"]):
             return self._launch_load(copy_streams, storages, limit_bytes)
 
     def pending_load_bytes(self, storages: Optional[Sequence[Any]] = None) -> int:
@@ -387,7 +390,7 @@ class SwapGroup:
         p = self._b
         device = t.device
         copy_stream = copy_streams(device)  # None without streams: the ordering calls do nothing
-        with p.trace_range(f"hyper_parallel.launch_load[{self.name}]"):
+        with p.trace_range(self._ranges["launch_load"]):
             tensors = [t] if t.bucket is None or t.state is not TensorState.HOST else self._with_siblings([t])
             allocated = self._allocate(tensors)
             if not allocated:
@@ -398,7 +401,7 @@ class SwapGroup:
                 m.set_copy_event(event)
                 self.stats.loaded_bytes += m.nbytes
             self.stats.load_launches += 1
-        with p.trace_range(f"hyper_parallel.wait_load[{self.name}]"):
+        with p.trace_range(self._ranges["wait_load"]):
             self._order_use_after_h2d(device, event)
             waiter = p.current_stream(device)
             for m in allocated:
@@ -411,7 +414,7 @@ class SwapGroup:
         out: List[SwapTensor] = []
         seen = set()
         for t in tensors:
-            group = [t] if t.bucket is None else [m for m in t.bucket.members() if m.state is TensorState.HOST]
+            group = [t] if t.bucket is None else t.bucket.members(TensorState.HOST)
             for m in group:
                 if id(m) not in seen:
                     seen.add(id(m))
@@ -465,7 +468,7 @@ class SwapGroup:
                     continue  # came with its bucket already
                 else:  # a bucket comes back whole
                     seen.add(t.bucket)
-                    take = [m for m in t.bucket.members() if m.state is TensorState.HOST or m.state is TensorState.D2H]
+                    take = t.bucket.members(TensorState.HOST, TensorState.D2H)
                     cost = sum(m.nbytes for m in take)
                 if cost > budget:
                     break  # keep backward-use order: nothing after a tensor that does not fit
@@ -513,7 +516,7 @@ class SwapGroup:
                 f"wait_load('{self.name}') called but no load of group '{self.name}' is in flight; "
                 f"call SwapManager().launch_load('{self.name}') first.")
         t0 = time.perf_counter()
-        with self._b.trace_range(f"hyper_parallel.wait_load[{self.name}]"):
+        with self._b.trace_range(self._ranges["wait_load"]):
             for device, event in self._load_events:
                 self._order_use_after_h2d(device, event)
             waiters: Dict[Any, Any] = {}
