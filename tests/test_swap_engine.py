@@ -527,3 +527,81 @@ def test_host_limit_with_changing_shapes_reuses_idle_budget(fresh_manager):
     offloaded6, kept6 = step(6)
     assert offloaded6 == need4 * 6 // 4 <= 2 * need4  # everything this step needs fits the cap
     assert kept6 == 0
+
+
+# ------------------------------------------------------------------------------ synchronous load lane
+def test_load_synchronously_restores_layout_and_frees_the_host_buffer(fresh_manager):
+    """The one-call load of a backend without streams (the layer chain's load on use on CPU):
+    host -> device with the exact layout of every alias, the host buffer back in the pool, and
+    the reloaded bytes in memory of their own (the pool reuses the buffer at once)."""
+    mgr = fresh_manager
+    storage = mgr.new_storage("g")
+    base = _fresh(8)
+    source = base.clone()
+    whole = storage.add_swap(source)
+    part = storage.add_swap(source[2:, 1:].t())  # an alias with an offset and transposed strides
+    del source
+    st = whole._swap_tensor
+    assert part._swap_tensor is st
+    mgr.launch_offload("g")
+    mgr.wait_offload("g")
+    assert st.state is TensorState.HOST
+    host = st._host
+    st.load_synchronously()
+    assert st.state is TensorState.DEVICE
+    assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
+    got_whole, got_part = whole.get_val(), part.get_val()
+    expected_part = base[2:, 1:].t()
+    assert torch.equal(got_whole, base) and torch.equal(got_part, expected_part)
+    assert got_part.stride() == expected_part.stride()
+    assert got_part.storage_offset() == expected_part.storage_offset()
+    assert got_whole.untyped_storage().data_ptr() == got_part.untyped_storage().data_ptr()
+    host.fill_(0)  # the pool may hand the buffer to the next offload: the reloaded bytes are a copy
+    assert torch.equal(whole.get_val(), base)
+
+
+def test_load_synchronously_refuses_other_states_and_bucket_members(fresh_manager):
+    mgr = fresh_manager
+    storage = mgr.new_storage("g")
+    view = storage.add_swap(_fresh() * 1)
+    st = view._swap_tensor
+    with pytest.raises(RuntimeError, match="load_synchronously on a tensor in state 'device'"):
+        st.load_synchronously()
+    mgr.set_bucket_bytes(1 << 20)
+    storage = mgr.new_storage("b")
+    views = [storage.add_swap(_fresh(4, seed=i) * 1) for i in range(3)]
+    mgr.launch_offload("b")
+    mgr.wait_offload("b")
+    member = views[0]._swap_tensor
+    assert member.bucket is not None and member.state is TensorState.HOST
+    with pytest.raises(RuntimeError, match=r"state 'host' \(in a bucket\)"):
+        member.load_synchronously()
+    mgr.launch_load("b")
+    mgr.wait_load("b")
+    assert all(torch.equal(v.get_val(), _fresh(4, seed=i)) for i, v in enumerate(views))
+
+
+def test_load_bytes_returns_a_copy_on_the_device(fresh_manager):
+    """``Backend.load_bytes`` (one call per reloaded storage on CPU): new memory with the host
+    buffer's bytes; torch's ``Tensor.to`` would return the buffer itself on CPU without ``copy=True``."""
+    b = fresh_manager.backend
+    like = b.view_meta(_fresh())
+    host = b.empty_host_bytes(64)
+    host.copy_(torch.arange(64, dtype=torch.uint8))
+    dev = b.load_bytes(host, 64, like)
+    assert dev.dtype == torch.uint8 and dev.numel() == 64
+    assert dev.untyped_storage().data_ptr() != host.untyped_storage().data_ptr()
+    host.fill_(7)
+    assert torch.equal(dev, torch.arange(64, dtype=torch.uint8))
+
+
+def test_copy_stream_lookup_is_cached_even_without_streams(fresh_manager, monkeypatch):
+    """A backend without streams answers ``None`` for a copy stream: that answer is remembered
+    too, not asked again for every load on use."""
+    mgr = fresh_manager
+    calls = []
+    real = type(mgr.backend).new_copy_stream
+    monkeypatch.setattr(type(mgr.backend), "new_copy_stream",
+                        lambda self, device=None: calls.append(device) or real(self, device))
+    first = mgr._copy_stream_for(None)
+    assert mgr._copy_stream_for(None) is first and len(calls) == 1

@@ -83,7 +83,8 @@ class HostBufferPool:
             free = self._free.get(nbytes)
             if free:
                 buf, guard = free.pop()
-                self._order_reuse_after_guard(stream, guard)
+                if guard is not None:  # (None: copies are synchronous, the buffer is idle)
+                    self._order_reuse_after_guard(stream, guard)
             else:
                 size = self._b.host_alloc_size(nbytes)
                 if self.limit_bytes is not None and self.reserved_bytes + size > self.limit_bytes:

@@ -90,12 +90,12 @@ class _ChainHook:
             return
         # The manager's lock: autograd threads (one per device) may call in at once.
         if not self.post:
-            with self.chain._m._locked():
+            with self.chain._m._locked:
                 self.chain.forward_start(module)
             return
         # Also called when forward raised, to restore the current group.
         failed = sys.exc_info()[0] is not None or not b.grad_recording()
-        with self.chain._m._locked():
+        with self.chain._m._locked:
             armed = self.chain.forward_end(module, failed)
         if armed:
             self.chain._arm_backward_start(module, output, self.chain._links[module].last_forward)
@@ -235,7 +235,7 @@ class LayerChain:
             module = ref()
             if not fired[0] and module is not None:
                 fired[0] = True
-                with self._m._locked():
+                with self._m._locked:
                     self.backward_start(module, forward)
 
         for t in outs:

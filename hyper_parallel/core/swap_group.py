@@ -264,7 +264,8 @@ class SwapGroup:
         try:
             for device, tensors in _by_device([t for run in runs for t in run]).items():
                 copy_stream = copy_streams(device)
-                self._order_d2h_after_producers(copy_stream, device, tensors)
+                if copy_stream is not None:  # (None: copies are synchronous, nothing to order)
+                    self._order_d2h_after_producers(copy_stream, device, tensors)
                 started: List[SwapTensor] = []
                 try:
                     with p.stream_context(copy_stream):
@@ -287,7 +288,8 @@ class SwapGroup:
                     if started:  # even if a later tensor failed: these copies are queued
                         event = p.record_event(copy_stream)
                         for t in started:
-                            t.set_copy_event(event)
+                            if event is not None:
+                                t.set_copy_event(event)
                             t.load_on_use = self.load_on_use
                             self.stats.offloaded_bytes += t.nbytes
                             if t.shared_skips:  # it was counted as kept 'shared' by an earlier launch
@@ -349,7 +351,8 @@ class SwapGroup:
         t0 = time.perf_counter()
         with self._b.trace_range(self._ranges["wait_offload"]):
             for device, event in self._offload_events:
-                self._order_release_after_d2h(device, event)
+                if event is not None:  # (None: copies are synchronous, nothing to order)
+                    self._order_release_after_d2h(device, event)
             waiters: Dict[Any, Any] = {}
             for t in self._in_d2h:
                 if t.state is not TensorState.D2H:  # cancelled by a load since
@@ -389,7 +392,15 @@ class SwapGroup:
         layer chain's load on use, where copies are synchronous: see ``SwapTensor.load_on_use``)."""
         p = self._b
         device = t.device
-        copy_stream = copy_streams(device)  # None without streams: the ordering calls do nothing
+        copy_stream = copy_streams(device)
+        if copy_stream is None and t.bucket is None:
+            # Copies are synchronous (no streams): nothing to order, no event; the same
+            # transitions in one call (this runs once per saved tensor in backward).
+            with p.trace_range(self._ranges["launch_load"]):
+                t.load_synchronously()
+            self.stats.loaded_bytes += t.nbytes
+            self.stats.load_launches += 1
+            return
         with p.trace_range(self._ranges["launch_load"]):
             tensors = [t] if t.bucket is None or t.state is not TensorState.HOST else self._with_siblings([t])
             allocated = self._allocate(tensors)

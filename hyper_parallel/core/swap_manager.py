@@ -24,7 +24,7 @@ _RETIRED_STATS = 64    # how many forgotten groups keep their own entry in stats
 
 
 class _Locked:
-    """``with manager._locked():``: a class rather than a generator context manager, because the
+    """``with manager._locked:``: a class rather than a generator context manager, because the
     swap path takes the lock several times per layer."""
 
     __slots__ = ("_m",)
@@ -98,7 +98,9 @@ class SwapManager:
 
     def _init(self) -> None:
         self.lock = threading.RLock()
-        self._locked_ctx = _Locked(self)
+        #: ``with manager._locked:``, the manager's lock; entering it first forgets the groups whose
+        #: last storage died while the lock was held elsewhere
+        self._locked = _Locked(self)
         self._deferred: List[str] = []  # groups whose last storage died while the lock was held
         self.backend: Backend = active_backend()
         self._groups: Dict[str, SwapGroup] = {}
@@ -118,11 +120,6 @@ class SwapManager:
         self._forward_records: List[Any] = []
         self._pool = HostBufferPool(self.backend)
         self._chain = LayerChain(self)  # cleared, never replaced: it may still receive hook calls
-
-    def _locked(self) -> "_Locked":
-        """The manager's lock, as a ``with`` context; entering it first forgets the groups whose
-        last storage died while the lock was held elsewhere."""
-        return self._locked_ctx
 
     # ------------------------------------------------------------------ groups
     def _group(self, name: str, create: bool = False, persistent: bool = False) -> SwapGroup:
@@ -144,7 +141,7 @@ class SwapManager:
     def new_storage(self, group_name: Optional[str] = None) -> Storage:
         """Create the :class:`Storage` of one region's forward in ``group_name`` (default: the
         current group) and register it there. Used by the wrappers; rarely needed directly."""
-        with self._locked():
+        with self._locked:
             name = group_name or self._current_group_name or DEFAULT_GROUP
             group = self._group(name, create=True)
             storage = Storage(self.backend, self._pool, name, group.stats)
@@ -164,7 +161,7 @@ class SwapManager:
             raise TypeError(f"add_storage expects a swap Storage (as made by SwapManager().new_storage()), got "
                             f"{type(storage).__name__}; to swap a module's activations wrap it with swap_wrapper "
                             "or checkpoint_wrapper instead.")
-        with self._locked():
+        with self._locked:
             group = self._group(group_name, create=True)
             group.add(storage)
             weakref.finalize(storage, self._forget_later, group_name)
@@ -223,7 +220,7 @@ class SwapManager:
         if group_name is not None:
             if not isinstance(group_name, str) or not group_name:
                 raise TypeError(f"group name must be a non-empty str or None, got {group_name!r}")
-        with self._locked():
+        with self._locked:
             if group_name is not None:
                 self._group(group_name, create=True)
             self._switch_group(group_name)
@@ -232,7 +229,7 @@ class SwapManager:
         """``SwapTensor.load_on_use`` of the layer chain's groups where copies are synchronous:
         autograd unpacks an offloaded tensor; load it now (through its group, so the statistics
         and the pool see it)."""
-        with self._locked():
+        with self._locked:
             group = self._groups.get(tensor.group_name)
             if group is not None and tensor.state is TensorState.HOST:
                 group.load_now(tensor, self._copy_stream_for)
@@ -240,7 +237,7 @@ class SwapManager:
     def _offload_dead(self, storage: Storage) -> None:
         """``Storage.on_saved`` of the layer chain's groups where copies are synchronous: offload
         the storage's tensors that the forward no longer holds, now rather than at the layer's end."""
-        with self._locked():
+        with self._locked:
             group = self._groups.get(storage.group_name)
             if group is not None and not group.offload_pending:
                 dead = storage.dropped()
@@ -258,7 +255,7 @@ class SwapManager:
         """Forget group ``group_name`` without moving anything (no-op if unknown): storages of it
         that are still alive stay where they are and give their host buffers back when they die.
         Used to clean up after an aborted step so the name is free for the next one."""
-        with self._locked():
+        with self._locked:
             if self._groups.pop(group_name, None) is not None:
                 self._retire_stats(group_name)
                 if group_name == self._current_group_name:
@@ -268,7 +265,7 @@ class SwapManager:
         """Bytes of swap candidates occupying device memory now (produced and not yet offloaded,
         in flight, or loaded back), over the groups whose name starts with ``prefix`` (all if
         ``None``). Tensors kept on the device for good (parameters, shared ones) are excluded."""
-        with self._locked():
+        with self._locked:
             return sum(g.resident_swap_bytes() for name, g in list(self._groups.items())
                        if prefix is None or name.startswith(prefix))
 
@@ -282,10 +279,11 @@ class SwapManager:
     # ------------------------------------------------------------------ atomic API
     def _copy_stream_for(self, device: Any) -> Any:
         """The manager's copy stream on ``device`` (made on first use: streams belong to a device)."""
-        stream = self._copy_streams.get(device)
-        if stream is None:
+        try:
+            return self._copy_streams[device]
+        except KeyError:  # (None, the answer of a backend without streams, is cached too)
             stream = self._copy_streams[device] = self.backend.new_copy_stream(device)
-        return stream
+            return stream
 
     def _streams(self, copy_stream: Any) -> Callable[[Any], Any]:
         if copy_stream is not None:
@@ -297,7 +295,7 @@ class SwapManager:
     def launch_offload(self, group_name: str, copy_stream: Any = None) -> None:
         """Start copying group ``group_name``'s tensors to host memory on ``copy_stream`` (default:
         the manager's copy stream of each tensor's device). Returns at once on accelerators."""
-        with self._locked():
+        with self._locked:
             group = self._live_group(group_name)
             if group is not None:
                 group.launch_offload(self._streams(copy_stream))
@@ -305,12 +303,12 @@ class SwapManager:
     def _retry_offload(self, group_name: str) -> None:
         """The layer chain's second try: launch the offload of what group ``group_name``'s last
         launch skipped because somebody else held it then (``SwapGroup.retry_offload``)."""
-        with self._locked():
+        with self._locked:
             self._group(group_name).retry_offload(self._copy_stream_for)
 
     def wait_offload(self, group_name: str) -> None:
         """Make compute wait for the group's offload and release its device memory."""
-        with self._locked():
+        with self._locked:
             group = self._live_group(group_name)
             if group is not None:
                 group.wait_offload()
@@ -326,14 +324,14 @@ class SwapManager:
         if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int)
                                         or limit_bytes < 0):
             raise TypeError(f"launch_load: limit_bytes must be an int >= 0 or None, got {limit_bytes!r}")
-        with self._locked():
+        with self._locked:
             group = self._live_group(group_name)
             if group is not None:
                 group.launch_load(self._streams(copy_stream), storages, limit_bytes)
 
     def wait_load(self, group_name: str) -> None:
         """Make compute wait for the group's load; its tensors are usable afterwards."""
-        with self._locked():
+        with self._locked:
             group = self._live_group(group_name)
             if group is not None:
                 group.wait_load()
@@ -407,7 +405,7 @@ class SwapManager:
             raise ValueError(f"set_bucket_bytes({nbytes}): the {type(self.backend).__name__} cannot make a storage "
                              "over part of another, which bucketed copies need (each reloaded tensor gets its own "
                              "storage back); leave bucketing off (0) on this framework.")
-        with self._locked():
+        with self._locked:
             self._bucket_bytes = nbytes
             for group in self._groups.values():
                 group.bucket_bytes = nbytes
@@ -435,7 +433,7 @@ class SwapManager:
             >>> for i in range(len(model.layers) - 1):  # doctest: +SKIP
             ...     SwapManager().set_forward_prefetch_layer(model.layers[i], model.layers[i + 1])
         """
-        with self._locked():
+        with self._locked:
             self._chain.link(first_layer, second_layer)
 
     def layer_group_name(self, layer: Any) -> Optional[str]:
@@ -451,14 +449,14 @@ class SwapManager:
                             f"({type(limit_bytes).__name__}); e.g. set_host_memory_limit(8 << 30) for 8 GiB.")
         if limit_bytes is not None and limit_bytes < 0:
             raise ValueError(f"host memory limit must be >= 0 or None, got {limit_bytes}")
-        with self._locked():
+        with self._locked:
             self._pool.limit_bytes = limit_bytes
 
     def release_host_cache(self) -> int:
         """Free the pooled host buffers that no tensor uses now and return them to the OS (the
         framework's host allocator cache is emptied too); returns the bytes released, as the
         host allocator reserved them (rounded up, see ``core/host_pool.py``)."""
-        with self._locked():
+        with self._locked:
             return self._pool.release_idle()
 
     def stats(self) -> Dict[str, Any]:
@@ -489,7 +487,7 @@ class SwapManager:
         pooled host buffers and the host memory limit. For tests, tools and recovery after a failed step. Tensors of regions
         still alive are first brought back to the device (synchronously), so such a region's
         backward still works, as with SAVE."""
-        with self._locked():
+        with self._locked:
             for group in list(self._groups.values()):
                 group.settle()
             self._chain.clear()

@@ -187,7 +187,8 @@ class SwapTensor:
         the device (reloaded, or never moved) is needed by nobody: drop our references to it now
         rather than when the whole region's graph dies."""
         self._views -= 1
-        self._drop_if_unused()
+        if self._views == 0 and self.state is TensorState.DEVICE:
+            self._drop_if_unused()
 
     def _drop_if_unused(self) -> None:
         """On the device with no saved tensor left to read it (autograd dropped them all, possibly
@@ -207,11 +208,17 @@ class SwapTensor:
                                f"'{self.state.value}'; only tensors on the device can be offloaded.")
         if self.kept_reason is not None:
             return self.kept_reason
-        if self._aliases is None:  # reloaded earlier in this step: a second offload is a new save
+        aliases = self._aliases
+        if aliases is None:  # reloaded earlier in this step: a second offload is a new save
             return self.keep(KeepReason.RELOADED)
-        if self._mutation():
+        b = self._b
+        # (what _mutation and held_elsewhere check, inline: this runs once per offloaded storage)
+        if len(aliases) == 1:
+            if b.version(aliases[0]) != self._versions[0]:
+                return self.keep(KeepReason.MODIFIED_IN_PLACE)
+        elif self._mutation():
             return self.keep(KeepReason.MODIFIED_IN_PLACE)
-        if self.held_elsewhere():
+        if b.storage_other_holders(aliases) > 0:
             # Somebody else (the caller still holding a layer's input, a shared mask...) holds
             # this storage: copying it now would free nothing, so skip the bandwidth. Unlike the
             # other reasons this one can pass (the caller moves on to the next layer): the next
@@ -290,6 +297,22 @@ class SwapTensor:
         self._load_issued = False
         self.state = TensorState.H2D
         return True
+
+    def load_synchronously(self) -> None:
+        """``host`` -> ``device`` in one step, where copies are synchronous (the backend has no
+        streams): :meth:`async_load`, :meth:`copy_in` and :meth:`wait_load` for a storage of its
+        own, with nothing to order, no event to guard the host buffer and no block to protect.
+        One call instead of their dozens, per saved tensor of a backward that loads on use."""
+        if self.state is not TensorState.HOST or self.bucket is not None:
+            raise RuntimeError(
+                f"swap group '{self.group_name}': load_synchronously on a tensor in state "
+                f"'{self.state.value}'{' (in a bucket)' if self.bucket is not None else ''}; only a "
+                "storage of its own on the host can be loaded this way.")
+        self._dev = self._block = self._b.load_bytes(self._host, self.nbytes, self._metas[0])
+        self._pool.release(self._host, self.nbytes, None)
+        self._host = None
+        self.state = TensorState.DEVICE
+        # (no _drop_if_unused: a saved tensor being read is what asked for this load)
 
     def copy_in(self, copy_stream: Any, issue: bool = True) -> None:
         """Issue the H2D copy (called inside the copy-stream context). No ``record_stream`` here:

@@ -63,7 +63,7 @@ from torch.utils._pytree import tree_leaves
 
 import hyper_parallel.core.activation_checkpoint  # noqa: F401  (binds the framework's backend first)
 from hyper_parallel.backends.torch.backend import TorchBackend
-from hyper_parallel.core.backend import use_backend
+from hyper_parallel.core.backend import Backend, use_backend
 from hyper_parallel.core.keep_reason import KeepReason
 from hyper_parallel.core.swap_manager import SwapManager
 
@@ -418,6 +418,10 @@ class SimDevice(TorchBackend):
             self._access(info, stream, True, "allocation (empty_device_bytes)")
             self._raise_pending()
             return t
+
+    # A load in one call would bypass the tracking of the allocation and the copy: the contract's
+    # default, through the two tracked primitives.
+    load_bytes = Backend.load_bytes
 
     def empty_host_bytes(self, nbytes: int) -> torch.Tensor:
         self._before("empty_host_bytes", nbytes)

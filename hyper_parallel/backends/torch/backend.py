@@ -211,6 +211,7 @@ class _NoCompileHook:
 
 
 _CPU = torch.device("cpu")
+_new_tuple = tuple.__new__
 _NO_RANGE = contextlib.nullcontext()  # reusable: nullcontext keeps no state
 # Tensor types whose bytes and view metadata are the whole tensor (subclasses such as DTensor are not).
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -265,7 +266,9 @@ class TorchBackend(Backend):
     version = staticmethod(_shim.version)
 
     def view_meta(self, t: torch.Tensor) -> ViewMeta:
-        return ViewMeta(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)  # Size and stride are tuples
+        # Size and stride are tuples. tuple.__new__ directly: a NamedTuple's own constructor is a
+        # Python function, and this runs once per saved storage.
+        return _new_tuple(ViewMeta, (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device))
 
     alias = staticmethod(_shim.detach_keeping_version)
 
@@ -311,6 +314,10 @@ class TorchBackend(Backend):
 
     def empty_device_bytes(self, nbytes: int, like: ViewMeta) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+
+    def load_bytes(self, host: torch.Tensor, nbytes: int, like: ViewMeta) -> torch.Tensor:
+        # One call allocates (on the current stream) and copies; host buffers hold exactly nbytes.
+        return host.to(like.device, non_blocking=True, copy=True)
 
     def empty_host_bytes(self, nbytes: int) -> torch.Tensor:
         # Pinned memory makes D2H/H2D truly asynchronous; a CPU-only build has none.
