@@ -17,15 +17,15 @@ from support.swap_models import ManagerSpy, ToyNet, assert_tensors_equal, chain,
 
 N_LAYERS = 4
 
-# CPU default: every layer offloads and waits at once (the last one too), its predecessor's input
-# (held by the caller at the first launch) is retried when the next layer ends and waited one
-# layer later; backward makes no load call: each offloaded tensor is loaded when autograd unpacks it.
+# CPU default: every layer offloads and waits at once, in one call (the last one too), its
+# predecessor's input (held by the caller at the first launch) is retried, also at once, when the
+# next layer ends (not after the last layer: the caller still holds it then); backward makes no load
+# call: each offloaded tensor is loaded when autograd unpacks it.
 CPU_FORWARD_CALLS = [
-    ("launch_offload", "layer_0"), ("wait_offload", "layer_0"),
-    ("launch_offload", "layer_1"), ("wait_offload", "layer_1"), ("_retry_offload", "layer_0"),
-    ("launch_offload", "layer_2"), ("wait_offload", "layer_2"), ("_retry_offload", "layer_1"),
-    ("wait_offload", "layer_0"),
-    ("launch_offload", "layer_3"), ("wait_offload", "layer_3"), ("wait_offload", "layer_1"),
+    ("_offload_at_once", "layer_0"),
+    ("_offload_at_once", "layer_1"), ("_retry_offload", "layer_0"),
+    ("_offload_at_once", "layer_2"), ("_retry_offload", "layer_1"),
+    ("_offload_at_once", "layer_3"),
 ]
 CPU_BACKWARD_CALLS: list = []
 
@@ -255,3 +255,56 @@ def test_cpu_default_offloads_swapped_outputs_between_the_ops_of_a_selective_reg
     monkeypatch.setattr(Storage, "offload_dropped", lambda self: None)
     fwd_late, _, _ = _gpt_step("swap", cfg)
     assert fwd_late > fwd_recompute
+
+
+def test_cpu_offload_at_once_under_a_host_cap_keeps_the_rest_and_stays_bitwise():
+    """The one-call offload of the CPU schedule honours the host cap: what does not fit stays on
+    the device (kept 'host_limit'), the rest goes and comes back; gradients bitwise."""
+    mgr = SwapManager()
+    net = _swapped_net()
+    x = make_input(net)
+    reference = ToyNet(layers=N_LAYERS)
+    reference(x).backward()
+    per_layer = x.nbytes * 4  # well below one layer's saved activations
+    mgr.set_host_memory_limit(per_layer)
+    with ManagerSpy() as spy:
+        net(x).backward()
+    assert ("_offload_at_once", "layer_0") in spy.calls
+    s = mgr.stats()
+    assert s["kept_bytes"].get("host_limit", 0) > 0 and 0 < s["offloaded_bytes"] == s["loaded_bytes"]
+    assert s["host_pool"]["reserved_bytes"] <= per_layer and s["host_pool"]["in_use_bytes"] == 0
+    assert_tensors_equal(grads(net), grads(reference), "cpu offload at once under a host cap")
+
+
+def test_offload_synchronously_failing_copy_leaves_the_tensor_usable(monkeypatch):
+    """A copy that raises inside the one-call offload of the CPU schedule: the error reaches the
+    caller, the tensor whose copy failed stays on the device, readable, with its host buffer back
+    in the pool; the one copied before it is on the host; the rest was not looked at."""
+    mgr = SwapManager()
+    storage = mgr.new_storage("g")
+    values = [torch.randn(8, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    views = [storage.add_swap(v.clone()) for v in values]
+    backend = mgr.backend
+    real = type(backend).copy_bytes
+    copies = []
+
+    def flaky(self, dst, src, dst_offset=0):
+        copies.append(1)
+        if len(copies) == 2:
+            raise RuntimeError("simulated copy failure")
+        return real(self, dst, src, dst_offset)
+
+    monkeypatch.setattr(type(backend), "copy_bytes", flaky)
+    with pytest.raises(RuntimeError, match="simulated copy failure"):
+        mgr._group("g").offload_synchronously()
+    monkeypatch.setattr(type(backend), "copy_bytes", real)
+    assert [v._swap_tensor.state for v in views] == [TensorState.HOST, TensorState.DEVICE, TensorState.DEVICE]
+    pool = mgr.stats()["host_pool"]
+    assert pool["in_use_bytes"] == values[0].nbytes and mgr.stats()["offloaded_bytes"] == values[0].nbytes
+    assert torch.equal(views[1].get_val(), values[1])
+    mgr._group("g").offload_synchronously()  # the rest goes now
+    assert all(v._swap_tensor.state is TensorState.HOST for v in views)
+    mgr.launch_load("g")
+    mgr.wait_load("g")
+    assert all(torch.equal(v.get_val(), val) for v, val in zip(views, values))
+    assert mgr.stats()["host_pool"]["in_use_bytes"] == 0

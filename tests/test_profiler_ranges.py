@@ -39,12 +39,12 @@ def _step(model: GPT) -> None:
 def _expected(model: GPT):
     """Range names the layer chain must produce: offloads for every layer but the last, loads for
     every layer but the last (the last is never offloaded, so never loaded). On CPU (no copy
-    stream) backward loads each tensor when it is used, with a synchronous copy: a
-    ``launch_load`` range, and no load to wait."""
+    stream) the copies are synchronous: an offload is done within its ``launch_offload`` range and
+    backward loads each tensor when it is used (a ``launch_load`` range), with nothing to wait."""
     mgr = SwapManager()
     groups = [mgr.layer_group_name(layer) for layer in model.layers]
     assert all(groups), groups
-    kinds = KINDS if mgr.copies_overlap() else tuple(k for k in KINDS if k != "wait_load")
+    kinds = KINDS if mgr.copies_overlap() else ("launch_offload", "launch_load")
     names = set()
     for g in groups[:-1]:
         for kind in kinds:

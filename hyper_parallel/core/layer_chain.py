@@ -42,14 +42,21 @@ class _Forward:
     forward that fed it. Its backward loads exactly these (several forwards of a layer may wait for
     their backward: gradient accumulation, micro-batches) and prefetches the predecessor's."""
 
-    __slots__ = ("storages", "prev", "__weakref__")
+    __slots__ = ("_refs", "prev", "__weakref__")
 
     def __init__(self, prev: Optional["_Forward"]) -> None:
-        self.storages: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # Weak references in the order the storages were made (a loaded forward goes back in
+        # backward-use order, the reverse); a plain list is cheaper to make than a WeakSet.
+        self._refs: List[weakref.ref] = []
         self.prev = weakref.ref(prev) if prev is not None else None
 
+    def add(self, storage: Any) -> None:
+        """A storage made while this forward runs (``SwapManager.new_storage``)."""
+        self._refs.append(weakref.ref(storage))
+
     def live(self) -> List[Any]:
-        return list(self.storages)
+        """The storages of this forward still alive, in the order they were made."""
+        return [s for s in (r() for r in self._refs) if s is not None]
 
 
 class _Link:
@@ -264,7 +271,7 @@ class LayerChain:
         fed_by = self._links[prev].last_forward if prev is not None and prev in self._links else None
         record = _Forward(fed_by)
         link.forwards.append(record)
-        self._m._forward_records.append(record.storages)
+        self._m._forward_records.append(record)
 
     def forward_end(self, layer: Any, failed: bool) -> bool:
         """Returns whether the backward-start hook should be armed on the outputs."""
@@ -279,14 +286,14 @@ class LayerChain:
         link.last_forward = record
         has_next = link.next is not None and link.next() is not None
         at_once = self._m._waits_offload_at_once()
-        if has_next or at_once:
+        if at_once:
+            # Copies are synchronous (no copy stream): waiting now loses no overlap and frees this
+            # layer's device memory one layer earlier; for the same reason the last layer is
+            # offloaded too (its backward loads each tensor when used), so the head's forward and
+            # backward do not run next to it. The launch and its wait are one call.
+            self._m._offload_at_once(link.name)
+        elif has_next:
             self._m.launch_offload(link.name)
-            if at_once:
-                # Copies are synchronous (no copy stream): waiting now loses no overlap and frees
-                # this layer's device memory one layer earlier; for the same reason the last layer
-                # is offloaded too (its backward loads each tensor when used), so the head's forward and
-                # backward do not run next to it.
-                self._m.wait_offload(link.name)
         prev = link.prev() if link.prev is not None else None
         if prev is not None:
             prev_link = self._links[prev]
@@ -296,7 +303,8 @@ class LayerChain:
             # When the predecessor's offload was launched, the caller still held its input (the
             # `h` of `for layer in layers: h = layer(h)`), so that storage was skipped. The caller
             # has moved on by now: offload it too; it is waited when the next layer ends (so not
-            # after the last layer, where nothing would wait for it before backward).
+            # after the last layer, where nothing would wait for it before backward), or at once
+            # where copies are synchronous.
             if has_next and prev_group.has_retryable():
                 self._m._retry_offload(prev_group.name)
             before = prev_link.prev() if prev_link.prev is not None else None

@@ -15,6 +15,11 @@ from .swap_tensor import SwapTensor, TensorState
 __all__ = ["SwapGroup", "GroupStats"]
 
 
+def _no_copy_stream(device: Any) -> None:
+    """``copy_streams`` of a backend without streams."""
+    return None
+
+
 def _by_device(tensors: List[SwapTensor]) -> Dict[Any, List[SwapTensor]]:
     """``tensors`` grouped by their device, in order (streams and events are per device)."""
     out: Dict[Any, List[SwapTensor]] = {}
@@ -234,12 +239,55 @@ class SwapGroup:
         with self._b.trace_range(self._ranges["launch_offload"]):
             self._launch_offload(copy_streams, runs=[[t] for t in retry])
 
-    def offload_now(self, tensors: Sequence[SwapTensor], copy_streams: Callable[[Any], Any]) -> None:
-        """Offload ``tensors`` and wait: one launch and its wait (the layer chain's early
-        offload where copies are synchronous, see ``Storage.on_saved``)."""
+    def retry_runs(self) -> List[List[SwapTensor]]:
+        """What :meth:`retry_offload` launches, one tensor per run (for :meth:`offload_synchronously`)."""
+        return [[t] for t in self._skipped_shared if t.retryable]
+
+    def offload_synchronously(self, runs: Optional[List[List[SwapTensor]]] = None) -> None:
+        """``launch_offload`` and ``wait_offload`` in one call, where copies are synchronous (the
+        backend has no copy stream: the layer chain's CPU schedule, which waits every offload at
+        once): each tensor cleared to go is copied to a host buffer and its source dropped as it
+        goes (``SwapTensor.offload_synchronously``), with nothing to order, no event and nothing
+        left in flight. ``runs`` as for ``_launch_offload`` (default: the whole group). With
+        bucketing on, the launch and the wait themselves."""
+        if runs is None:
+            runs = self._offload_runs()
+        if self.bucket_bytes:
+            with self._b.trace_range(self._ranges["launch_offload"]):
+                self._launch_offload(_no_copy_stream, runs)
+            self.wait_offload()
+            return
+        stats, pool, load_on_use = self.stats, self._pool, self.load_on_use
+        skipped: List[SwapTensor] = []
+        self._skipped_shared = skipped
         with self._b.trace_range(self._ranges["launch_offload"]):
-            self._launch_offload(copy_streams, runs=[list(tensors)])
-        self.wait_offload()
+            try:
+                for run in runs:
+                    for t in run:
+                        skipped_before = t.shared_skips
+                        reason = t.offload_reason()
+                        if reason is None:
+                            host = pool.acquire(t.nbytes, None)
+                            if host is None:
+                                reason = t.keep(KeepReason.HOST_LIMIT)
+                            else:
+                                try:
+                                    t.offload_synchronously(host)
+                                except BaseException:
+                                    pool.release(host, t.nbytes, None)
+                                    raise
+                                t.load_on_use = load_on_use
+                                stats.offloaded_bytes += t.nbytes
+                                if skipped_before:  # it was counted as kept 'shared' by an earlier launch
+                                    stats.keep(KeepReason.SHARED, -t.nbytes)
+                                continue
+                        if reason is KeepReason.SHARED:
+                            skipped.append(t)
+                        if reason is not KeepReason.SHARED or not skipped_before:  # count each storage once
+                            stats.keep(reason, t.nbytes)
+            finally:
+                stats.offload_launches += 1
+        self.offload_cancelled = False
 
     def _offload_runs(self) -> List[List[SwapTensor]]:
         """What a launch of the whole group considers, one list per storage (a bucket never spans

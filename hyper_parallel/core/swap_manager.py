@@ -115,8 +115,8 @@ class SwapManager:
         self._copy_streams: Dict[Any, Any] = {}  # device -> the manager's copy stream there
         self._prefetch_budget: Any = _AUTO
         self._bucket_bytes = 0  # bucketed copies are opt-in (see set_bucket_bytes)
-        # The storage sets of the chained layer forwards running now (innermost last): a storage
-        # made while one runs belongs to that forward (see LayerChain).
+        # The records of the chained layer forwards running now (innermost last): a storage made
+        # while one runs belongs to that forward (see LayerChain).
         self._forward_records: List[Any] = []
         self._pool = HostBufferPool(self.backend)
         self._chain = LayerChain(self)  # cleared, never replaced: it may still receive hook calls
@@ -242,7 +242,7 @@ class SwapManager:
             if group is not None and not group.offload_pending:
                 dead = storage.dropped()
                 if dead:
-                    group.offload_now(dead, self._copy_stream_for)
+                    group.offload_synchronously([dead])
 
     def _switch_group(self, group_name: Optional[str]) -> None:
         """``set_current_group_name`` for the layer chain, which holds the lock and passes a name
@@ -302,9 +302,23 @@ class SwapManager:
 
     def _retry_offload(self, group_name: str) -> None:
         """The layer chain's second try: launch the offload of what group ``group_name``'s last
-        launch skipped because somebody else held it then (``SwapGroup.retry_offload``)."""
+        launch skipped because somebody else held it then (``SwapGroup.retry_offload``); where
+        the chain waits offloads at once (copies are synchronous), offload it and wait."""
         with self._locked:
-            self._group(group_name).retry_offload(self._copy_stream_for)
+            group = self._group(group_name)
+            if self._waits_offload_at_once():
+                group.offload_synchronously(group.retry_runs())
+            else:
+                group.retry_offload(self._copy_stream_for)
+
+    def _offload_at_once(self, group_name: str) -> None:
+        """The layer chain's offload of a layer where copies are synchronous: ``launch_offload``
+        and ``wait_offload`` in one call (``SwapGroup.offload_synchronously``)."""
+        with self._locked:
+            group = self._live_group(group_name)
+            if group is not None:
+                group.offload_synchronously()
+                self._forget_if_empty(group_name)
 
     def wait_offload(self, group_name: str) -> None:
         """Make compute wait for the group's offload and release its device memory."""
@@ -417,7 +431,9 @@ class SwapManager:
     def _waits_offload_at_once(self) -> bool:
         """Whether the layer chain waits a layer's offload right after launching it: only where
         copies are synchronous and the (default) budget loads on demand."""
-        return not self.copies_overlap() and self.prefetch_budget() == 0
+        if self.copies_overlap():
+            return False
+        return self._prefetch_budget is _AUTO or self._prefetch_budget == 0  # (the default is 0 here)
 
     # ------------------------------------------------------------------ layer chain
     def set_forward_prefetch_layer(self, first_layer: Any, second_layer: Any) -> None:

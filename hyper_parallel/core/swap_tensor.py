@@ -238,6 +238,17 @@ class SwapTensor:
         self._aliases = None
         self.state = TensorState.D2H
 
+    def offload_synchronously(self, host: Any) -> None:
+        """``device`` -> ``host`` in one step, where copies are synchronous (the backend has no
+        streams): :meth:`start_offload` and :meth:`wait_offload` with nothing to order, for a
+        storage of its own; after :meth:`offload_reason` answered ``None``. The copy is done when
+        this returns; dropping the aliases frees the device storage unless somebody else holds it.
+        If the copy raises, nothing changes."""
+        self._b.copy_bytes(host, self._aliases[0])
+        self._host = host
+        self._aliases = None
+        self.state = TensorState.HOST
+
     def keep(self, reason: KeepReason) -> KeepReason:
         """Keep this storage on the device for good (a second offload would not help)."""
         self.kept_reason = reason

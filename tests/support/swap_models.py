@@ -38,8 +38,9 @@ __all__ = [
     "round_trip",
 ]
 
-# (_retry_offload: the layer chain's second offload try of what a launch skipped as held elsewhere)
-MANAGER_CALLS = ("launch_offload", "_retry_offload", "wait_offload", "launch_load", "wait_load")
+# (_retry_offload: the layer chain's second offload try of what a launch skipped as held elsewhere;
+# _offload_at_once: its launch + wait in one call where copies are synchronous)
+MANAGER_CALLS = ("launch_offload", "_offload_at_once", "_retry_offload", "wait_offload", "launch_load", "wait_load")
 
 
 class ToyBlock(nn.Module):

@@ -212,6 +212,7 @@ class _NoCompileHook:
 
 _CPU = torch.device("cpu")
 _new_tuple = tuple.__new__
+_STRIDED = torch.strided
 _NO_RANGE = contextlib.nullcontext()  # reusable: nullcontext keeps no state
 # Tensor types whose bytes and view metadata are the whole tensor (subclasses such as DTensor are not).
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -279,7 +280,7 @@ class TorchBackend(Backend):
         return t.clone()
 
     def unswappable_reason(self, t: torch.Tensor) -> Optional[KeepReason]:
-        if type(t) not in _PLAIN_TENSOR_TYPES or t.layout is not torch.strided:
+        if type(t) not in _PLAIN_TENSOR_TYPES or t.layout is not _STRIDED:
             return KeepReason.UNSUPPORTED_TENSOR
         if t.is_meta or t.is_conj() or t.is_neg():
             # conj/neg views carry a lazy bit that a view rebuilt from raw bytes would lose
