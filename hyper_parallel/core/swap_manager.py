@@ -147,7 +147,7 @@ class SwapManager:
             storage = Storage(self.backend, self._pool, name, group.stats)
             if group.on_saved is not None:
                 storage.on_saved, storage.early_chunk = group.on_saved, group.early_chunk
-            self.add_storage(name, storage)
+            self._add_storage(group, storage)
             if self._forward_records:
                 self._forward_records[-1].add(storage)
             return storage
@@ -162,9 +162,12 @@ class SwapManager:
                             f"{type(storage).__name__}; to swap a module's activations wrap it with swap_wrapper "
                             "or checkpoint_wrapper instead.")
         with self._locked:
-            group = self._group(group_name, create=True)
-            group.add(storage)
-            weakref.finalize(storage, self._forget_later, group_name)
+            self._add_storage(self._group(group_name, create=True), storage)
+
+    def _add_storage(self, group: SwapGroup, storage: Storage) -> None:
+        """``add_storage`` once the arguments are known good and the lock is held."""
+        group.add(storage)
+        weakref.finalize(storage, self._forget_later, group.name)
 
     def _forget_later(self, name: str) -> None:
         """Finalizer of a storage: :meth:`_forget_if_empty` now if the lock is free (or held by
