@@ -19,8 +19,9 @@ N_LAYERS = 4
 
 # CPU default: every layer offloads and waits at once, in one call (the last one too), its
 # predecessor's input (held by the caller at the first launch) is retried, also at once, when the
-# next layer ends (not after the last layer: the caller still holds it then); backward makes no load
-# call: each offloaded tensor is loaded when autograd unpacks it.
+# next layer ends (the chain retries only from a layer that has a successor, as on an accelerator,
+# where nothing would wait a retry launched by the last layer); backward makes no load call: each
+# offloaded tensor is loaded when autograd unpacks it.
 CPU_FORWARD_CALLS = [
     ("_offload_at_once", "layer_0"),
     ("_offload_at_once", "layer_1"), ("_retry_offload", "layer_0"),
@@ -308,3 +309,23 @@ def test_offload_synchronously_failing_copy_leaves_the_tensor_usable(monkeypatch
     mgr.wait_load("g")
     assert all(torch.equal(v.get_val(), val) for v, val in zip(views, values))
     assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
+
+
+def test_cpu_schedule_accounting_shared_once_and_one_load_per_tensor():
+    """The statistics of the one-call offload and load of the CPU schedule, against what the
+    model saves: the parent's mask (saved by every layer, held by the model) and the inputs the
+    caller still holds stay 'shared', each storage counted once (the network input is retried and
+    still held; the last two layers' inputs are never retried); layer 1's input, skipped at its
+    layer's end and offloaded by the retry, is taken back out of 'shared'. Backward loads each
+    offloaded storage in one launch of its own, and the bench's counter sees every one of them."""
+    from hyper_parallel.bench.swapbench import counting_offloads
+
+    mgr = SwapManager()
+    net = _swapped_net()
+    x = make_input(net)
+    with counting_offloads() as moved:
+        net(x).backward()
+    s = mgr.stats()
+    assert s["kept_bytes"]["shared"] == N_LAYERS * net.mask.nbytes + 3 * x.nbytes, s["kept_bytes"]
+    assert moved["tensors"] > 0 and moved["bytes"] == s["offloaded_bytes"] == s["loaded_bytes"]
+    assert s["load_launches"] == moved["copies_back"] == moved["tensors"]

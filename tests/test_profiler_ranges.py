@@ -37,10 +37,11 @@ def _step(model: GPT) -> None:
 
 
 def _expected(model: GPT):
-    """Range names the layer chain must produce: offloads for every layer but the last, loads for
-    every layer but the last (the last is never offloaded, so never loaded). On CPU (no copy
-    stream) the copies are synchronous: an offload is done within its ``launch_offload`` range and
-    backward loads each tensor when it is used (a ``launch_load`` range), with nothing to wait."""
+    """Range names the layer chain must produce (at least): offloads and loads for every layer but
+    the last (with a copy stream the last is never offloaded, so never loaded; on CPU it is, and its
+    ranges may appear too). On CPU (no copy stream) the copies are synchronous: an offload is done
+    within its ``launch_offload`` range and backward loads each tensor when it is used (a
+    ``launch_load`` range), with nothing to wait."""
     mgr = SwapManager()
     groups = [mgr.layer_group_name(layer) for layer in model.layers]
     assert all(groups), groups

@@ -605,3 +605,26 @@ def test_copy_stream_lookup_is_cached_even_without_streams(fresh_manager, monkey
                         lambda self, device=None: calls.append(device) or real(self, device))
     first = mgr._copy_stream_for(None)
     assert mgr._copy_stream_for(None) is first and len(calls) == 1
+
+
+def test_offload_synchronously_only_without_streams(fresh_manager):
+    """The one-call offload hands host buffers back and drops sources as soon as a copy call
+    returns: only valid where copies are synchronous; with streams it refuses."""
+    mgr = fresh_manager
+    storage = mgr.new_storage("g")
+    view = storage.add_swap(_fresh() * 1)
+    group = mgr._group("g")
+    if mgr.copies_overlap():
+        with pytest.raises(RuntimeError, match="offload_synchronously needs a backend without streams"):
+            group.offload_synchronously()
+        assert view._swap_tensor.state is TensorState.DEVICE
+    else:
+        group.offload_synchronously()
+        assert view._swap_tensor.state is TensorState.HOST and not group.offload_pending
+
+
+@pytest.mark.parametrize("bad", [3, ""])
+def test_new_storage_validates_the_group_name(fresh_manager, bad):
+    with pytest.raises(TypeError, match="new_storage: the group name must be a non-empty str or None"):
+        fresh_manager.new_storage(bad)
+    assert bad not in fresh_manager.group_names()

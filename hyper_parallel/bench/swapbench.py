@@ -196,28 +196,38 @@ def counting_offloads() -> Iterator[Dict[str, int]]:
     """Count the swapped tensors (storages whose device-to-host copy started) and the
     host-to-device copies issued to bring them back (one per bucket of small storages, or per
     storage) while inside: the engine's ``SwapManager().stats()`` counts bytes and launches, not
-    tensors or copies. Instruments ``SwapTensor.start_offload`` and ``SwapTensor.copy_in`` for the
-    duration (use it around an untimed step)."""
+    tensors or copies. Instruments the two ways out (``SwapTensor.start_offload``, and
+    ``offload_synchronously`` where copies are synchronous) and back (``copy_in``,
+    ``load_synchronously``) for the duration (use it around an untimed step)."""
     from hyper_parallel.core import swap_tensor
 
     cls = swap_tensor.SwapTensor
-    original, original_in = cls.start_offload, cls.copy_in
+    originals = {name: getattr(cls, name) for name in
+                 ("start_offload", "offload_synchronously", "copy_in", "load_synchronously")}
     counts = {"tensors": 0, "bytes": 0, "copies_back": 0}
 
-    def start_offload(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        counts["tensors"] += 1
-        counts["bytes"] += int(self.nbytes)
+    def out(name):
+        def counted(self, *args, **kwargs):
+            originals[name](self, *args, **kwargs)
+            counts["tensors"] += 1
+            counts["bytes"] += int(self.nbytes)
+        return counted
 
     def copy_in(self, copy_stream, issue=True):
-        original_in(self, copy_stream, issue)
+        originals["copy_in"](self, copy_stream, issue)
         counts["copies_back"] += int(issue)
 
-    cls.start_offload, cls.copy_in = start_offload, copy_in
+    def load_synchronously(self):
+        originals["load_synchronously"](self)
+        counts["copies_back"] += 1
+
+    cls.start_offload, cls.offload_synchronously = out("start_offload"), out("offload_synchronously")
+    cls.copy_in, cls.load_synchronously = copy_in, load_synchronously
     try:
         yield counts
     finally:
-        cls.start_offload, cls.copy_in = original, original_in
+        for name, fn in originals.items():
+            setattr(cls, name, fn)
 
 
 def _grads(model: nn.Module) -> List[Optional[torch.Tensor]]:

@@ -172,8 +172,9 @@ class Backend(abc.ABC):
     def load_bytes(self, host: Tensor, nbytes: int, like: ViewMeta) -> Tensor:
         """A new byte tensor on the device of ``like`` (allocated for the current stream) holding
         the ``nbytes`` of the host byte buffer ``host``, copied on the current stream: what a
-        synchronous load does. The default is :meth:`empty_device_bytes` + :meth:`copy_bytes`;
-        a framework that allocates and copies in one call should do that."""
+        synchronous load (a backend without streams) does; the host buffer may be reused as soon
+        as this returns. The default is :meth:`empty_device_bytes` + :meth:`copy_bytes`; a
+        framework that allocates and copies in one call should do that."""
         dev = self.empty_device_bytes(nbytes, like)
         self.copy_bytes(dev, host)
         return dev

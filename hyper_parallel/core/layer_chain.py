@@ -17,9 +17,12 @@ Where copies are synchronous (no copy stream: a CPU build) and the prefetch budg
 ``save_on_cpu`` does: during a layer's forward, each time ``EARLY_OFFLOAD_CHUNK`` more bytes were
 saved (and between the ops of a selective region: ``Storage.offload_dropped``), the saved tensors
 that the forward has already dropped are offloaded (and waited) at once;
-at the layer's end the rest is offloaded and waited (the last layer's too); in backward no load is
-launched: each offloaded tensor is loaded when autograd unpacks it (``SwapTensor.load_on_use``) and
-freed once its node has run. The state machine and its transitions are the same.
+at the layer's end the rest is offloaded and waited (the last layer's too), in one call
+(``SwapManager._offload_at_once``), and the retry of the predecessor's skipped input is waited at
+once too; in backward no load is launched: each offloaded tensor is loaded when autograd unpacks it
+(``SwapTensor.load_on_use``) and freed once its node has run. The state machine and its states are
+the same; each launch and its wait are one call there (``SwapGroup.offload_synchronously``,
+``SwapTensor.load_synchronously``).
 """
 
 from __future__ import annotations

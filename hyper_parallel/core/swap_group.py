@@ -249,7 +249,11 @@ class SwapGroup:
         once): each tensor cleared to go is copied to a host buffer and its source dropped as it
         goes (``SwapTensor.offload_synchronously``), with nothing to order, no event and nothing
         left in flight. ``runs`` as for ``_launch_offload`` (default: the whole group). With
-        bucketing on, the launch and the wait themselves."""
+        bucketing on, the launch and the wait themselves. Only valid without streams (a host
+        buffer is reused, and a source dropped, as soon as its copy call returns)."""
+        if self._b.current_stream() is not None:
+            raise RuntimeError(f"swap group '{self.name}': offload_synchronously needs a backend without streams "
+                               "(copies are synchronous); use launch_offload and wait_offload.")
         if runs is None:
             runs = self._offload_runs()
         if self.bucket_bytes:

@@ -141,6 +141,8 @@ class SwapManager:
     def new_storage(self, group_name: Optional[str] = None) -> Storage:
         """Create the :class:`Storage` of one region's forward in ``group_name`` (default: the
         current group) and register it there. Used by the wrappers; rarely needed directly."""
+        if group_name is not None and (not isinstance(group_name, str) or not group_name):
+            raise TypeError(f"new_storage: the group name must be a non-empty str or None, got {group_name!r}")
         with self._locked:
             name = group_name or self._current_group_name or DEFAULT_GROUP
             group = self._group(name, create=True)

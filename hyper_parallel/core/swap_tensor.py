@@ -8,6 +8,9 @@ States::
 
     device --start_offload--> d2h --wait_offload--> host --async_load--> h2d --wait_load--> device
 
+Where copies are synchronous (a backend without streams) ``offload_synchronously`` and
+``load_synchronously`` each make one arrow pair in one call: the copy is done when they return.
+
 ``get_val`` is legal in ``device`` (and in ``d2h``, where the source is still intact on the
 device); anywhere else it raises. Memory is never freed by force: the swap system only drops its
 own references, so a storage that somebody else still holds stays valid.

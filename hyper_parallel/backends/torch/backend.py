@@ -318,7 +318,8 @@ class TorchBackend(Backend):
 
     def load_bytes(self, host: torch.Tensor, nbytes: int, like: ViewMeta) -> torch.Tensor:
         # One call allocates (on the current stream) and copies; host buffers hold exactly nbytes.
-        return host.to(like.device, non_blocking=True, copy=True)
+        # Blocking: the caller hands the host buffer back to the pool right away.
+        return host.to(like.device, copy=True)
 
     def empty_host_bytes(self, nbytes: int) -> torch.Tensor:
         # Pinned memory makes D2H/H2D truly asynchronous; a CPU-only build has none.
