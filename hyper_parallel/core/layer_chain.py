@@ -31,8 +31,6 @@ import sys
 import weakref
 from typing import Any, List, Optional
 
-from .swap_tensor import TensorState
-
 __all__ = ["LayerChain", "EARLY_OFFLOAD_CHUNK"]
 
 #: Where copies are synchronous, a chained layer's dropped saved tensors are offloaded during its
