@@ -67,8 +67,6 @@ class SwapPacker:
         reason = b.unswappable_reason(t)
         if reason is None:
             key = b.storage_id(t)
-            if self.policy_fn is None and key not in self.param_ids and not b.is_grad_leaf(t):
-                return self.storage.add_swap(b.alias(t), key)  # (_keep_reason's answer, inline)
             reason = self._keep_reason(t, key)
             if reason is None:
                 return self.storage.add_swap(b.alias(t), key)

@@ -235,9 +235,8 @@ class SwapGroup:
         """Launch the offload of the tensors the last launch skipped as held elsewhere and that
         are worth one more try (``SwapTensor.retryable``: a layer input, free once the caller
         moved on), each by itself: a second look at only these, not a walk of the whole group."""
-        retry = [t for t in self._skipped_shared if t.retryable]
         with self._b.trace_range(self._ranges["launch_offload"]):
-            self._launch_offload(copy_streams, runs=[[t] for t in retry])
+            self._launch_offload(copy_streams, runs=self.retry_runs())
 
     def retry_runs(self) -> List[List[SwapTensor]]:
         """What :meth:`retry_offload` launches, one tensor per run (for :meth:`offload_synchronously`)."""
@@ -261,37 +260,49 @@ class SwapGroup:
                 self._launch_offload(_no_copy_stream, runs)
             self.wait_offload()
             return
-        stats, pool, load_on_use = self.stats, self._pool, self.load_on_use
+        pool = self._pool
         skipped: List[SwapTensor] = []
         self._skipped_shared = skipped
         with self._b.trace_range(self._ranges["launch_offload"]):
             try:
                 for run in runs:
                     for t in run:
-                        skipped_before = t.shared_skips
-                        reason = t.offload_reason()
-                        if reason is None:
-                            host = pool.acquire(t.nbytes, None)
-                            if host is None:
-                                reason = t.keep(KeepReason.HOST_LIMIT)
-                            else:
-                                try:
-                                    t.offload_synchronously(host)
-                                except BaseException:
-                                    pool.release(host, t.nbytes, None)
-                                    raise
-                                t.load_on_use = load_on_use
-                                stats.offloaded_bytes += t.nbytes
-                                if skipped_before:  # it was counted as kept 'shared' by an earlier launch
-                                    stats.keep(KeepReason.SHARED, -t.nbytes)
-                                continue
-                        if reason is KeepReason.SHARED:
-                            skipped.append(t)
-                        if reason is not KeepReason.SHARED or not skipped_before:  # count each storage once
-                            stats.keep(reason, t.nbytes)
+                        if not self._cleared(t, skipped):
+                            continue
+                        host = pool.acquire(t.nbytes, None)
+                        if host is None:
+                            self.stats.keep(t.keep(KeepReason.HOST_LIMIT), t.nbytes)
+                            continue
+                        try:
+                            t.offload_synchronously(host)
+                        except BaseException:
+                            pool.release(host, t.nbytes, None)
+                            raise
+                        self._offloaded(t)
             finally:
-                stats.offload_launches += 1
+                self.stats.offload_launches += 1
         self.offload_cancelled = False
+
+    def _cleared(self, t: SwapTensor, skipped: List[SwapTensor]) -> bool:
+        """Whether ``t`` can be offloaded now (``SwapTensor.offload_reason``); if not, count the
+        bytes it keeps on the device (a storage skipped as held elsewhere once, however often it
+        is skipped again) and add it to ``skipped`` when it is held elsewhere."""
+        skipped_before = t.shared_skips
+        reason = t.offload_reason()
+        if reason is None:
+            return True
+        if reason is KeepReason.SHARED:
+            skipped.append(t)
+        if reason is not KeepReason.SHARED or not skipped_before:  # count each storage once
+            self.stats.keep(reason, t.nbytes)
+        return False
+
+    def _offloaded(self, t: SwapTensor) -> None:
+        """The offload copy of ``t`` was issued: its statistics, and its load on use."""
+        t.load_on_use = self.load_on_use
+        self.stats.offloaded_bytes += t.nbytes
+        if t.shared_skips:  # it was counted as kept 'shared' by an earlier launch
+            self.stats.keep(KeepReason.SHARED, -t.nbytes)
 
     def _offload_runs(self) -> List[List[SwapTensor]]:
         """What a launch of the whole group considers, one list per storage (a bucket never spans
@@ -322,19 +333,7 @@ class SwapGroup:
                 try:
                     with p.stream_context(copy_stream):
                         for run in runs:
-                            ready = []
-                            for t in run:
-                                if t.device != device:
-                                    continue
-                                skipped_before = t.shared_skips
-                                reason = t.offload_reason()
-                                if reason is None:
-                                    ready.append(t)
-                                    continue
-                                if reason is KeepReason.SHARED:
-                                    skipped.append(t)
-                                if reason is not KeepReason.SHARED or not skipped_before:  # count each storage once
-                                    self.stats.keep(reason, t.nbytes)
+                            ready = [t for t in run if t.device == device and self._cleared(t, skipped)]
                             self._start_offloads(ready, copy_stream, started)
                 finally:
                     if started:  # even if a later tensor failed: these copies are queued
@@ -342,10 +341,7 @@ class SwapGroup:
                         for t in started:
                             if event is not None:
                                 t.set_copy_event(event)
-                            t.load_on_use = self.load_on_use
-                            self.stats.offloaded_bytes += t.nbytes
-                            if t.shared_skips:  # it was counted as kept 'shared' by an earlier launch
-                                self.stats.keep(KeepReason.SHARED, -t.nbytes)
+                            self._offloaded(t)
                         self._in_d2h.extend(started)
                         self._offload_events.append((device, event))
                         self.offload_pending = True

@@ -211,17 +211,11 @@ class SwapTensor:
                                f"'{self.state.value}'; only tensors on the device can be offloaded.")
         if self.kept_reason is not None:
             return self.kept_reason
-        aliases = self._aliases
-        if aliases is None:  # reloaded earlier in this step: a second offload is a new save
+        if self._aliases is None:  # reloaded earlier in this step: a second offload is a new save
             return self.keep(KeepReason.RELOADED)
-        b = self._b
-        # (what _mutation and held_elsewhere check, inline: this runs once per offloaded storage)
-        if len(aliases) == 1:
-            if b.version(aliases[0]) != self._versions[0]:
-                return self.keep(KeepReason.MODIFIED_IN_PLACE)
-        elif self._mutation():
+        if self._mutation():
             return self.keep(KeepReason.MODIFIED_IN_PLACE)
-        if b.storage_other_holders(aliases) > 0:
+        if self.held_elsewhere():
             # Somebody else (the caller still holding a layer's input, a shared mask...) holds
             # this storage: copying it now would free nothing, so skip the bandwidth. Unlike the
             # other reasons this one can pass (the caller moves on to the next layer): the next
@@ -323,8 +317,7 @@ class SwapTensor:
                 f"'{self.state.value}'{' (in a bucket)' if self.bucket is not None else ''}; only a "
                 "storage of its own on the host can be loaded this way.")
         self._dev = self._block = self._b.load_bytes(self._host, self.nbytes, self._metas[0])
-        self._pool.release(self._host, self.nbytes, None)
-        self._host = None
+        self._release_host(None)  # the copy is done: nothing guards the buffer
         self.state = TensorState.DEVICE
         # (no _drop_if_unused: a saved tensor being read is what asked for this load)
 
