@@ -26,8 +26,11 @@ step of each per round, the order reversed every other round) with medians:
 Columns: tensors and bytes copied out / back per step (ours: storages whose offload started,
 counted in an untimed step, and ``SwapManager().stats()`` bytes; peers: their hooks' counters),
 ``copies back`` = the host-to-device copies ours issued (one per bucket of small storages, or per
-storage: ``SwapManager().set_bucket_bytes``), ``us/tensor`` = (median - none's) / tensors out, and whether the gradients equal ``none``'s
-bitwise. Pairs: ratio ours / peer and the overhead per swapped tensor, (ours - peer) / ours' tensors.
+storage: ``SwapManager().set_bucket_bytes``), ``us/tensor`` = (median - none's) / tensors out, ``py calls`` /
+``C calls`` = the calls of Python / C functions the interpreter made in one more untimed step
+(``swapbench.counting_calls``: a measure of the interpreter work that a busy machine does not
+blur), and whether the gradients equal ``none``'s bitwise. Pairs: ratio ours / peer, the
+overhead per swapped tensor, (ours - peer) / ours' tensors, and the ratio of the calls per step.
 Targets (issue 12): ``ours_swap_wrapper <= 1.5x copy_hooks``, ``ours_ckpt_swap <= 1.25x torch_sac_copy``.
 
 Run::
@@ -87,24 +90,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows, base = out["results"], out["results"]["none"]["median_s"]
     print(report.table(
         ["variant", "who", "median ms", "min ms", "vs none", "tensors out", "KiB out", "KiB back", "copies back",
-         "us/tensor", "grads = none"],
+         "us/tensor", "py calls", "C calls", "grads = none"],
         [[n, r["who"], fmt(r["median_s"] * 1e3, "%.2f"), fmt(r["min_s"] * 1e3, "%.2f"),
           fmt(report.ratio(r["median_s"], base), "%.2fx"), r["moved"]["tensors"],
           "%.1f" % (r["moved"]["d2h"] / 1024), "%.1f" % (r["moved"]["h2d"] / 1024),
           "-" if r["moved"]["copies_back"] is None else r["moved"]["copies_back"],
-          fmt(r["us_per_tensor_vs_none"], "%.1f"), "yes" if r["grads_equal_to_none"] else "NO"]
-         for n, r in rows.items()], align="ll" + "r" * 9))
+          fmt(r["us_per_tensor_vs_none"], "%.1f"), r["calls"]["python"], r["calls"]["builtin"],
+          "yes" if r["grads_equal_to_none"] else "NO"]
+         for n, r in rows.items()], align="ll" + "r" * 11))
     print(report.legend([(n, r["what"]) for n, r in rows.items()]))
     print("copies back = host-to-device copies ours issued per step (one per bucket of small storages, "
           "or per storage; SwapManager().set_bucket_bytes); '-': a peer, one per tensor back")
     print("us/tensor = (median - none's median) / tensors copied out per step")
+    print("py calls / C calls = calls of Python functions / of C functions (tensor ops and methods included) in one "
+          "untimed step (sys.setprofile): the interpreter work, independent of how busy the machine is")
     print(report.table(
-        ["ours", "peer", "ratio", "target", "", "ratio of min", "tensors ours", "tensors peer", "overhead us/tensor"],
+        ["ours", "peer", "ratio", "target", "", "ratio of min", "tensors ours", "tensors peer", "overhead us/tensor",
+         "calls ratio"],
         [[p["ours"], p["peer"], fmt(p["ratio"], "%.2fx"), fmt(p["target"], "<= %.2fx"),
           {True: "met", False: "NOT MET", None: ""}[p["met"]], fmt(p["ratio_of_min"], "%.2fx"), p["tensors_ours"],
-          p["tensors_peer"], fmt(p["us_per_tensor"], "%.1f")] for p in out["pairs"]], align="llrrlrrrr"))
+          p["tensors_peer"], fmt(p["us_per_tensor"], "%.1f"), fmt(p["calls_ratio"], "%.2fx")]
+         for p in out["pairs"]], align="llrrlrrrrr"))
     print("ratio = of the medians (the target's); ratio of min = of the fastest steps (less sensitive to a busy "
-          "machine); overhead us/tensor = (ours' median - peer's median) / tensors ours copies out per step")
+          "machine); overhead us/tensor = (ours' median - peer's median) / tensors ours copies out per step; calls ratio = ours' "
+          "calls per step / peer's (Python + C)")
     print("note: on CPU every copy is a synchronous memcpy with no copy engine to overlap it, so these times measure "
           "the per-tensor bookkeeping and the copies themselves, not what a GPU would hide")
     if args.json:

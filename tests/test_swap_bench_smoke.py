@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hyper_parallel.bench.modes import ByteCounter, CopyHooks, HooksLayer, sac_host_copy_contexts
-from hyper_parallel.bench.swapbench import SmallOpsNet, _torch_policy, saved_bytes_per_layer
+from hyper_parallel.bench.swapbench import SmallOpsNet, _torch_policy, counting_calls, saved_bytes_per_layer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -60,6 +60,47 @@ def test_copying_peers_are_bitwise_exact_and_count_what_they_copy():
     assert 0 < sac.h2d <= sac.d2h
 
 
+def _len_each(n):
+    return [len([i]) for i in range(n)]  # per item: one call of len
+
+
+def test_counting_calls_counts_exactly_the_calls_inside_and_restores_the_profiler():
+    with counting_calls() as empty:
+        pass
+    assert empty == {"python": 0, "builtin": 0}
+    with counting_calls() as calls:
+        _len_each(5)
+    # _len_each and its list comprehension (a function of its own before Python 3.12), and len five
+    # times (making a range object is a type's call, which the profiler does not report)
+    comprehension = 1 if sys.version_info < (3, 12) else 0
+    assert calls == {"python": 1 + comprehension, "builtin": 5}
+    outer = []
+    sys.setprofile(lambda frame, event, arg: outer.append(event))
+    try:
+        with counting_calls():
+            pass
+        assert sys.getprofile() is not None  # the profiler that was there before is back
+    finally:
+        sys.setprofile(None)
+    assert outer  # and it saw the calls around the block
+
+
+def test_counting_calls_sees_the_hooks_of_a_backward():
+    m = SmallOpsNet(blocks=2, dim=8, hidden=16)
+    x = torch.randn(4, 8)
+    with counting_calls() as plain:
+        m(x).backward()
+    copies = ByteCounter()
+    m2 = SmallOpsNet(blocks=2, dim=8, hidden=16)
+    for i, layer in enumerate(m2.layers):
+        m2.layers[i] = HooksLayer(layer, lambda: CopyHooks(copies))
+    with counting_calls() as hooked:
+        m2(x).backward()
+    # every saved tensor goes through a Python pack (forward) and unpack (backward) hook
+    assert copies.tensors > 0
+    assert hooked["python"] >= plain["python"] + 2 * copies.tensors
+
+
 def test_saved_bytes_per_layer_counts_activations_not_parameters():
     m = SmallOpsNet(blocks=2, dim=8, hidden=16)
     per_layer = saved_bytes_per_layer(m, (torch.randn(4, 8),))
@@ -90,7 +131,12 @@ def test_swap_overhead_tiny(tmp_path):
     assert pairs[("ours_swap_wrapper", "copy_hooks")]["target"] == 1.5
     assert pairs[("ours_ckpt_swap", "torch_sac_copy")]["target"] == 1.25
     assert all(p["ratio"] > 0 for p in pairs.values())
-    assert "overhead us/tensor" in proc.stdout and "legend:" in proc.stdout and "load average" in proc.stdout
+    # the interpreter work of one step: hooks add calls, and ours more than none's
+    assert all(r["calls"]["python"] > 0 and r["calls"]["builtin"] > 0 for r in rows.values())
+    assert rows["copy_hooks"]["calls"]["python"] > rows["none"]["calls"]["python"]
+    assert rows["ours_swap_wrapper"]["calls"]["python"] > rows["none"]["calls"]["python"]
+    assert all(p["calls_ratio"] > 0 for p in pairs.values())
+    assert "overhead us/tensor" in proc.stdout and "py calls" in proc.stdout and "legend:" in proc.stdout and "load average" in proc.stdout
 
 
 @pytest.mark.slow

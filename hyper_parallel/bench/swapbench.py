@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -36,7 +37,7 @@ from hyper_parallel.bench.timing import interleaved, median, synchronize, timed
 
 __all__ = [
     "SmallOpsNet", "SMALL_OPS", "OverheadVariant", "OVERHEAD_VARIANTS", "OVERHEAD_PAIRS", "counting_offloads",
-    "run_overhead", "MEMORY_MODES", "PHASES", "PhaseMeter", "saved_bytes_per_layer", "grad_bytes",
+    "counting_calls", "run_overhead", "MEMORY_MODES", "PHASES", "PhaseMeter", "saved_bytes_per_layer", "grad_bytes",
     "run_memory", "layers_above",
 ]
 
@@ -230,8 +231,50 @@ def counting_offloads() -> Iterator[Dict[str, int]]:
             setattr(cls, name, fn)
 
 
+class counting_calls:
+    """Count the calls the interpreter makes while inside, on this thread (``sys.setprofile``):
+    ``python`` = calls of Python functions, ``builtin`` = calls of functions implemented in C
+    (builtins, and the framework's C functions called from Python: every tensor op or tensor
+    method called from Python is one). Unlike a time, the count does not depend on how busy the
+    machine is: it measures the interpreter work a variant adds, step for step. (CPU backward runs
+    on the calling thread, so its hooks are counted too.) A class rather than a generator context
+    manager, so that leaving adds exactly one call of each kind, which is taken off.
+
+    Example::
+
+        >>> with counting_calls() as calls:
+        ...     _ = sorted([3, 1, 2])
+        >>> calls
+        {'python': 0, 'builtin': 1}
+    """
+
+    def __init__(self) -> None:
+        self.counts = {"python": 0, "builtin": 0}
+        self._previous: Any = None
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            self.counts["python"] += 1
+        elif event == "c_call":
+            self.counts["builtin"] += 1
+
+    def __enter__(self) -> Dict[str, int]:
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self.counts
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(self._previous)
+        self.counts["python"] -= 1   # this __exit__
+        self.counts["builtin"] -= 1  # the sys.setprofile above
+
+
 def _grads(model: nn.Module) -> List[Optional[torch.Tensor]]:
     return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def _total_calls(row: Dict[str, Any]) -> int:
+    return row["calls"]["python"] + row["calls"]["builtin"]
 
 
 def run_overhead(names: Sequence[str], *, blocks: int, dim: int, hidden: int, batch: int, rounds: int,
@@ -239,8 +282,9 @@ def run_overhead(names: Sequence[str], *, blocks: int, dim: int, hidden: int, ba
     """Every variant of ``names`` on its own copy of one :class:`SmallOpsNet`, the same input.
 
     Per variant: ``warmup`` steps, one untimed counting step (tensors and bytes copied out and
-    back, gradients compared bitwise with ``none``'s), then ``rounds`` timed steps interleaved with
-    the other variants. Returns ``{"results": {name: row}, "pairs": [...]}``."""
+    back, gradients compared bitwise with ``none``'s), one untimed step under
+    :class:`counting_calls` (``row["calls"]``), then ``rounds`` timed steps interleaved with the
+    other variants. Returns ``{"results": {name: row}, "pairs": [...]}``."""
     from hyper_parallel.core.activation_checkpoint import SwapManager
 
     names = list(dict.fromkeys(["none"] + list(names)))
@@ -295,8 +339,10 @@ def run_overhead(names: Sequence[str], *, blocks: int, dim: int, hidden: int, ba
                      "copies_back": counted["copies_back"]}
         else:
             moved = {"tensors": 0, "d2h": 0, "h2d": 0, "copies_back": 0}
+        with counting_calls() as calls:  # a step of its own: counting_offloads adds calls
+            step(n)
         rows[n] = {"who": OVERHEAD_VARIANTS[n].who, "what": OVERHEAD_VARIANTS[n].what, "moved": moved,
-                   "grads_equal_to_none": equal, "times_s": []}
+                   "calls": calls, "grads_equal_to_none": equal, "times_s": []}
     for _, n in interleaved(names, rounds):
         rows[n]["times_s"].append(step(n))
     for n, r in rows.items():
@@ -317,7 +363,8 @@ def run_overhead(names: Sequence[str], *, blocks: int, dim: int, hidden: int, ba
         pairs.append({"ours": ours, "peer": peer, "ratio": ratio, "ratio_of_min": ratio_min, "target": target,
                       "met": None if target is None or ratio is None else ratio <= target,
                       "tensors_ours": k, "tensors_peer": b["moved"]["tensors"],
-                      "us_per_tensor": ((a["median_s"] - b["median_s"]) / k * 1e6) if k else None})
+                      "us_per_tensor": ((a["median_s"] - b["median_s"]) / k * 1e6) if k else None,
+                      "calls_ratio": _total_calls(a) / _total_calls(b) if _total_calls(b) else None})
     SwapManager().reset()
     return {"results": rows, "pairs": pairs}
 
