@@ -3,11 +3,13 @@ aliases coming back as aliases, in-place changes and illegal reads being errors.
 
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -59,6 +61,86 @@ def test_parameters_buffers_and_their_views_are_never_offloaded():
     for n, t in owned:
         assert t.data_ptr() == before[n][0] and torch.equal(t.detach(), before[n][1]), n
     assert_tensors_equal(grads(block), grads(plain), "block")
+
+
+class _Growing(nn.Module):
+    """A block whose forward also runs ``self.extra`` once it has one (added after wrapping), or an
+    ``outside`` layer that is a plain attribute, not a sub-module."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x).relu()
+        extra = self._modules.get("extra") or self.__dict__.get("outside")
+        return extra(h) if extra is not None else h
+
+
+def _frozen_linear(seed):
+    lin = nn.Linear(8, 8, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(8, 8, generator=torch.Generator().manual_seed(seed)))
+    lin.weight.requires_grad_(False)  # frozen: only the module tells it from an activation
+    return lin
+
+
+def _kept_after_one_step(block, x0):
+    SwapManager().reset()
+    with group("g"):
+        loss = block(x0.clone().requires_grad_()).square().sum()
+    round_trip("g")
+    loss.backward()
+    return SwapManager().stats()["kept_bytes"]
+
+
+@pytest.mark.parametrize("change", ["new submodule", "replaced submodule", "direct _parameters write",
+                                    "del submodule"])
+def test_owner_parameters_follow_changes_of_the_module_after_wrapping(change):
+    """The region knows its owner's parameter and buffer storages on every call, also after the
+    module changed (the backend remembers the module walk): the frozen weight of a sub-module added
+    or replaced after the first call is kept as the owner's ('buffer', as frozen parameters are
+    counted), not taken for an activation that somebody else holds ('shared'); an FSDP2-style write
+    into ``_parameters`` is seen; a deleted sub-module's weight is the owner's no more."""
+    torch.manual_seed(0)
+    block = swap_wrapper(_Growing())
+    x0 = torch.randn(4, 8)
+    _kept_after_one_step(block, x0)  # the first call walks the module
+    block.extra = extra = _frozen_linear(1)
+    weight = extra.weight
+    if change != "new submodule":
+        _kept_after_one_step(block, x0)  # walked again with extra in it
+    if change == "replaced submodule":  # the same number of children: the registration is what tells
+        old = extra  # (still alive: its death alone would tell too)
+        block.extra = extra = _frozen_linear(2)
+        weight = extra.weight
+        assert old.weight is not weight
+    elif change == "direct _parameters write":
+        weight = nn.Parameter(torch.randn(8, 8), requires_grad=False)
+        extra._parameters["weight"] = weight  # no registration hook fires
+    elif change == "del submodule":
+        del block.extra  # no registration hook fires either
+        object.__setattr__(block, "outside", extra)  # still run, but as a plain attribute
+    kept = _kept_after_one_step(block, x0)
+    if change == "del submodule":
+        # the saved view of extra's weight is held by extra, which is not the owner's any more
+        assert kept.get("shared", 0) >= weight.nbytes and kept.get("buffer", 0) == 0, kept
+    else:
+        assert kept.get("buffer", 0) >= weight.nbytes and kept.get("shared", 0) == 0, kept
+
+
+def test_remembered_module_walk_keeps_no_module_alive_and_sees_storage_swaps():
+    b = SwapManager().backend
+    m = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+    old = [t.detach() for t in b.module_tensors(m)]  # hold the old storages: their keys cannot be reused
+    before = {b.storage_id(t) for t in old}
+    m.double()  # _apply: new storages under the same modules
+    after = {b.storage_id(t) for t in b.module_tensors(m)}
+    assert len(after) == 4 and not (before & after)
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None  # what the backend remembers of the walk does not hold the module
 
 
 def test_explicit_parameter_view_and_frozen_weight_in_a_function_region():
