@@ -3,13 +3,11 @@ aliases coming back as aliases, in-place changes and illegal reads being errors.
 
 from __future__ import annotations
 
-import gc
 import os
 import pathlib
 import subprocess
 import sys
 import textwrap
-import weakref
 
 import pytest
 import torch
@@ -98,10 +96,11 @@ def _kept_after_one_step(block, x0):
                                     "del submodule"])
 def test_owner_parameters_follow_changes_of_the_module_after_wrapping(change):
     """The region knows its owner's parameter and buffer storages on every call, also after the
-    module changed (the backend remembers the module walk): the frozen weight of a sub-module added
-    or replaced after the first call is kept as the owner's ('buffer', as frozen parameters are
-    counted), not taken for an activation that somebody else holds ('shared'); an FSDP2-style write
-    into ``_parameters`` is seen; a deleted sub-module's weight is the owner's no more."""
+    module changed (whatever the engine may remember of it between calls): the frozen weight of a
+    sub-module added or replaced after the first call is kept as the owner's ('buffer', as frozen
+    parameters are counted), not taken for an activation that somebody else holds ('shared'); an
+    FSDP2-style write into ``_parameters`` is seen; a deleted sub-module's weight is the owner's no
+    more."""
     torch.manual_seed(0)
     block = swap_wrapper(_Growing())
     x0 = torch.randn(4, 8)
@@ -127,20 +126,6 @@ def test_owner_parameters_follow_changes_of_the_module_after_wrapping(change):
         assert kept.get("shared", 0) >= weight.nbytes and kept.get("buffer", 0) == 0, kept
     else:
         assert kept.get("buffer", 0) >= weight.nbytes and kept.get("shared", 0) == 0, kept
-
-
-def test_remembered_module_walk_keeps_no_module_alive_and_sees_storage_swaps():
-    b = SwapManager().backend
-    m = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
-    old = [t.detach() for t in b.module_tensors(m)]  # hold the old storages: their keys cannot be reused
-    before = {b.storage_id(t) for t in old}
-    m.double()  # _apply: new storages under the same modules
-    after = {b.storage_id(t) for t in b.module_tensors(m)}
-    assert len(after) == 4 and not (before & after)
-    ref = weakref.ref(m)
-    del m
-    gc.collect()
-    assert ref() is None  # what the backend remembers of the walk does not hold the module
 
 
 def test_explicit_parameter_view_and_frozen_weight_in_a_function_region():

@@ -117,11 +117,6 @@ class Backend(abc.ABC):
         counter; callable from inside a dispatch mode and from a saved-tensor hook."""
         ...
 
-    def saved_alias(self, t: Tensor) -> Tensor:
-        """:meth:`alias` for a tensor handed to a saved-tensor pack hook, i.e. above autograd,
-        where a framework may have a cheaper way (runs once per saved tensor). Default: ``alias``."""
-        return self.alias(t)
-
     @abc.abstractmethod
     def clone(self, t: Tensor) -> Tensor:
         """A new tensor with ``t``'s values and layout, in its own storage."""

@@ -69,9 +69,9 @@ class SwapPacker:
             key = b.storage_id(t)
             reason = self._keep_reason(t, key)
             if reason is None:
-                return self.storage.add_swap(b.saved_alias(t), key)
+                return self.storage.add_swap(b.alias(t), key)
         self.storage.add_kept(t, reason)
-        return Saved(b.saved_alias(t), b.version)
+        return Saved(b.alias(t), b.version)
 
     @staticmethod
     def unpack(packed: Any) -> Any:

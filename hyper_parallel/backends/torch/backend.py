@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import weakref
 from typing import Any, Callable, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -219,20 +218,6 @@ _NO_RANGE = contextlib.nullcontext()  # reusable: nullcontext keeps no state
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
-# How many times any module has registered a sub-module (attribute assignment, ``add_module``,
-# ``register_module``, a container's append or item assignment): PyTorch's global registration hook
-# counts them, so a cached list of a module's sub-modules is known to be current while the count
-# is unchanged (see ``TorchBackend.module_tensors``).
-_tree_changes = [0]
-
-
-def _count_tree_change(module: torch.nn.Module, name: str, submodule: Any) -> None:
-    _tree_changes[0] += 1
-
-
-torch.nn.modules.module.register_module_module_registration_hook(_count_tree_change)
-
-
 def _submodules(module: torch.nn.Module) -> List[torch.nn.Module]:
     """``module`` and every module below it, each once, ``module`` first (what
     ``module.modules()`` yields, without building names)."""
@@ -262,8 +247,6 @@ class TorchBackend(Backend):
         self.accelerator: Optional[torch.device] = acc
         self._dm = torch.get_device_module(acc.type) if acc is not None else None
         self._written: Dict[Any, Tuple[Tuple[int, str], ...]] = {}
-        # id(module) -> (tree-change count, weak refs to its sub-modules, their numbers of children)
-        self._trees: Dict[int, Tuple[int, List[Any], List[int]]] = {}
 
     # ------------------------------------------------------------------ tensors
     def is_tensor(self, x: Any) -> bool:
@@ -289,8 +272,6 @@ class TorchBackend(Backend):
         return _new_tuple(ViewMeta, (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device))
 
     alias = staticmethod(_shim.detach_keeping_version)
-    # Above autograd a plain detach shares the version counter already (no dispatch-key check).
-    saved_alias = staticmethod(torch.Tensor.detach)
 
     def hand_back(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -533,35 +514,12 @@ class TorchBackend(Backend):
         return isinstance(x, torch.nn.Module)
 
     def module_tensors(self, module: torch.nn.Module) -> Iterator[torch.Tensor]:
-        # Called on every region call. The sub-modules are walked once and remembered (weakly)
-        # with their numbers of children, and walked again when some module registered a
-        # sub-module since (``_tree_changes``: an assignment, ``add_module``, a container's append)
-        # or one of them lost a child (``del``). The parameter and buffer dicts are read live every
-        # time (FSDP2 swaps entries of ``_parameters`` directly, ``_apply`` swaps storages). The
-        # caller makes a set, so a shared tensor seen twice does no harm.
-        entry = self._trees.get(id(module))
-        if entry is None or entry[0] != _tree_changes[0]:
-            entry = self._remember_tree(module)
-        subs = [ref() for ref in entry[1]]
-        if subs[0] is not module:
-            subs = [ref() for ref in self._remember_tree(module)[1]]
-        else:
-            for m, children in zip(subs, entry[2]):
-                if m is None or len(m._modules) != children:  # a sub-module was deleted
-                    subs = [ref() for ref in self._remember_tree(module)[1]]
-                    break
-        return iter([t for m in subs for d in (m._parameters, m._buffers) for t in d.values() if t is not None])
-
-    def _remember_tree(self, module: torch.nn.Module) -> Tuple[int, List[Any], List[int]]:
-        """Walk ``module`` and remember its sub-modules (``module`` first) by weak reference, with
-        their numbers of children; the entry goes when ``module`` dies (its id may be reused)."""
-        key = id(module)
-        trees = self._trees
-        subs = _submodules(module)
-        refs = [weakref.ref(module, lambda _, k=key: trees.pop(k, None))] + [weakref.ref(m) for m in subs[1:]]
-        entry = (_tree_changes[0], refs, [len(m._modules) for m in subs])
-        trees[key] = entry
-        return entry
+        # Called on every region call: read the live parameter/buffer dicts (FSDP2 swaps entries
+        # of ``_parameters`` directly, ``_apply`` swaps storages), but skip ``named_modules``'
+        # name building; the caller makes a set, so a shared tensor seen twice does no harm. (A
+        # list, built in one comprehension: cheaper than a generator.)
+        return iter([t for m in _submodules(module) for d in (m._parameters, m._buffers)
+                     for t in d.values() if t is not None])
 
     def has_buffers(self, module: torch.nn.Module) -> bool:
         return next(module.buffers(), None) is not None
