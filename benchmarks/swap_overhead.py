@@ -26,11 +26,12 @@ step of each per round, the order reversed every other round) with medians:
 Columns: tensors and bytes copied out / back per step (ours: storages whose offload started,
 counted in an untimed step, and ``SwapManager().stats()`` bytes; peers: their hooks' counters),
 ``copies back`` = the host-to-device copies ours issued (one per bucket of small storages, or per
-storage: ``SwapManager().set_bucket_bytes``), ``us/tensor`` = (median - none's) / tensors out, ``py calls`` /
-``C calls`` = the calls of Python / C functions the interpreter made in one more untimed step
-(``swapbench.counting_calls``: a measure of the interpreter work that a busy machine does not
-blur), and whether the gradients equal ``none``'s bitwise. Pairs: ratio ours / peer, the
-overhead per swapped tensor, (ours - peer) / ours' tensors, and the ratio of the calls per step.
+storage: ``SwapManager().set_bucket_bytes``), ``us/tensor`` = (median - none's) / tensors out,
+``py calls`` / ``C calls`` = the calls of Python / C functions the interpreter made in the forward
++ backward of one more untimed step (``swapbench.counting_calls``: a measure of the interpreter
+work that a busy machine does not blur), and whether the gradients equal ``none``'s bitwise.
+Pairs: ratio ours / peer, the overhead per swapped tensor, (ours - peer) / ours' tensors, and the
+ratio of the calls per step.
 Targets (issue 12): ``ours_swap_wrapper <= 1.5x copy_hooks``, ``ours_ckpt_swap <= 1.25x torch_sac_copy``.
 
 Run::
@@ -102,8 +103,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("copies back = host-to-device copies ours issued per step (one per bucket of small storages, "
           "or per storage; SwapManager().set_bucket_bytes); '-': a peer, one per tensor back")
     print("us/tensor = (median - none's median) / tensors copied out per step")
-    print("py calls / C calls = calls of Python functions / of C functions (tensor ops and methods included) in one "
-          "untimed step (sys.setprofile): the interpreter work, independent of how busy the machine is")
+    print("py calls / C calls = calls of Python functions / of C functions (named tensor functions and methods "
+          "included) in the forward + backward of one untimed step (sys.setprofile): the interpreter work, independent "
+          "of how busy the machine is")
     print(report.table(
         ["ours", "peer", "ratio", "target", "", "ratio of min", "tensors ours", "tensors peer", "overhead us/tensor",
          "calls ratio"],

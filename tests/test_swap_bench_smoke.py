@@ -75,14 +75,38 @@ def test_counting_calls_counts_exactly_the_calls_inside_and_restores_the_profile
     comprehension = 1 if sys.version_info < (3, 12) else 0
     assert calls == {"python": 1 + comprehension, "builtin": 5}
     outer = []
-    sys.setprofile(lambda frame, event, arg: outer.append(event))
+
+    def prof(frame, event, arg):
+        outer.append(event)
+
+    sys.setprofile(prof)
     try:
         with counting_calls():
             pass
-        assert sys.getprofile() is not None  # the profiler that was there before is back
+        restored = sys.getprofile()
+        seen = len(outer)
+        _len_each(1)
+        after = len(outer) - seen
     finally:
         sys.setprofile(None)
-    assert outer  # and it saw the calls around the block
+    assert restored is prof and after > 0  # the profiler that was there before is back, and sees calls
+
+
+def test_counting_calls_under_cprofile_gives_cprofile_its_hook_back():
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    try:
+        with counting_calls() as calls:
+            _len_each(3)
+        _len_each(2)  # after the block: cProfile records again
+    finally:
+        pr.disable()
+    assert calls["builtin"] == 3
+    called = {func[2]: stat[1] for func, stat in pstats.Stats(pr).stats.items()}
+    assert called.get("_len_each") == 1  # the call after the block; the one inside was ours
 
 
 def test_counting_calls_sees_the_hooks_of_a_backward():

@@ -234,11 +234,15 @@ def counting_offloads() -> Iterator[Dict[str, int]]:
 class counting_calls:
     """Count the calls the interpreter makes while inside, on this thread (``sys.setprofile``):
     ``python`` = calls of Python functions, ``builtin`` = calls of functions implemented in C
-    (builtins, and the framework's C functions called from Python: every tensor op or tensor
-    method called from Python is one). Unlike a time, the count does not depend on how busy the
-    machine is: it measures the interpreter work a variant adds, step for step. (CPU backward runs
-    on the calling thread, so its hooks are counted too.) A class rather than a generator context
-    manager, so that leaving adds exactly one call of each kind, which is taken off.
+    (builtins, and the framework's named functions and methods called from Python, e.g.
+    ``torch.empty`` or ``t.detach()``; operators such as ``a + b`` or ``a[0]`` go through C slots
+    and are not reported). Unlike a time, the count does not depend on how busy the machine is: it
+    measures the interpreter work a variant adds, step for step. Hooks that autograd calls from
+    another thread (an accelerator's backward) are not seen: run the backward with
+    ``torch.autograd.set_multithreading_enabled(False)`` (CPU backward runs on the calling thread
+    anyway). A class rather than a generator context manager, so that leaving adds exactly one
+    call of each kind, which is taken off. A profiler that was installed before (a Python function,
+    or cProfile) is given back its hook on leaving.
 
     Example::
 
@@ -259,14 +263,23 @@ class counting_calls:
             self.counts["builtin"] += 1
 
     def __enter__(self) -> Dict[str, int]:
-        self._previous = sys.getprofile()
+        previous = sys.getprofile()
+        if previous is not None and not callable(previous) and not callable(getattr(previous, "enable", None)):
+            raise RuntimeError(f"counting_calls: a profiler of type {type(previous).__name__} is installed and "
+                               "could not be given back its hook afterwards; stop it first.")
+        self._previous = previous
         sys.setprofile(self._profile)
         return self.counts
 
     def __exit__(self, *exc: Any) -> None:
-        sys.setprofile(self._previous)
+        sys.setprofile(None)
         self.counts["python"] -= 1   # this __exit__
         self.counts["builtin"] -= 1  # the sys.setprofile above
+        previous = self._previous
+        if callable(previous):
+            sys.setprofile(previous)
+        elif previous is not None:  # a C-level profiler (cProfile's): it installs its own hook again
+            previous.enable()
 
 
 def _grads(model: nn.Module) -> List[Optional[torch.Tensor]]:
@@ -299,17 +312,18 @@ def run_overhead(names: Sequence[str], *, blocks: int, dim: int, hidden: int, ba
         models[n] = copy.deepcopy(base)
         counters[n] = OVERHEAD_VARIANTS[n].apply(models[n])
 
-    def step(n: str) -> float:
-        m = models[n]
-        for p in m.parameters():
+    def zero_grads(n: str) -> None:
+        for p in models[n].parameters():
             p.grad = None
 
-        def fwd_bwd():
-            loss = m(x)
-            loss.backward()
-            return loss
+    def fwd_bwd(n: str) -> torch.Tensor:
+        loss = models[n](x)
+        loss.backward()
+        return loss
 
-        _, dt = timed(fwd_bwd)
+    def step(n: str) -> float:
+        zero_grads(n)
+        _, dt = timed(functools.partial(fwd_bwd, n))
         return dt
 
     for _ in range(warmup):
@@ -339,8 +353,12 @@ def run_overhead(names: Sequence[str], *, blocks: int, dim: int, hidden: int, ba
                      "copies_back": counted["copies_back"]}
         else:
             moved = {"tensors": 0, "d2h": 0, "h2d": 0, "copies_back": 0}
-        with counting_calls() as calls:  # a step of its own: counting_offloads adds calls
-            step(n)
+        # A step of its own (counting_offloads adds calls), forward + backward only (what is timed),
+        # the backward on this thread so that its hooks are counted on an accelerator too.
+        zero_grads(n)
+        with torch.autograd.set_multithreading_enabled(False):
+            with counting_calls() as calls:
+                fwd_bwd(n)
         rows[n] = {"who": OVERHEAD_VARIANTS[n].who, "what": OVERHEAD_VARIANTS[n].what, "moved": moved,
                    "calls": calls, "grads_equal_to_none": equal, "times_s": []}
     for _, n in interleaved(names, rounds):
