@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyper_parallel.core.activation_checkpoint import (
     CheckpointPolicy, SwapManager, checkpoint_wrapper, swap_wrapper)
@@ -384,6 +385,61 @@ def test_inplace_change_of_saved_tensor_is_an_error(kind, when):
 
 
 # ------------------------------------------------------------------------------ illegal reads
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        x, = ctx.saved_tensors
+        return 2 * x * g
+
+
+class _SquareOnFirstOp(TorchDispatchMode):
+    """A user's dispatch mode that applies an autograd.Function to ``h`` when it sees its first op:
+    autograd (and the region's pack hook) then runs below autograd's own dispatch keys."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.h, self.out = h, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.out is None:
+            self.out = _Square.apply(self.h)
+        return func(*args, **(kwargs or {}))
+
+
+class _SquaresUnderAMode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        with _SquareOnFirstOp(h) as mode:
+            torch.zeros(1) + 1
+        self.h = h
+        return mode.out.sum()
+
+
+def test_inplace_change_is_an_error_also_when_the_pack_hook_runs_below_autograd():
+    """The saved ``h`` is packed from inside a dispatch mode (ADInplaceOrView excluded): its alias
+    must still share ``h``'s version counter (a plain detach there would not), so that the in-place
+    change after the forward is an error rather than silently wrong gradients."""
+    torch.manual_seed(0)
+    block = swap_wrapper(_SquaresUnderAMode())
+    with group("g"):
+        loss = block(torch.randn(2, 4))
+    with torch.no_grad():
+        block.h.mul_(3)
+    del block.h
+    round_trip("g")
+    with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+        loss.backward()
+
+
 def test_backward_while_loading_is_an_error():
     x = torch.randn(8, 8, requires_grad=True)
     with group("mb0"):
