@@ -114,8 +114,8 @@ def main(argv: Optional[List[str]] = None) -> int:
           p["tensors_peer"], fmt(p["us_per_tensor"], "%.1f"), fmt(p["calls_ratio"], "%.2fx")]
          for p in out["pairs"]], align="llrrlrrrrr"))
     print("ratio = of the medians (the target's); ratio of min = of the fastest steps (less sensitive to a busy "
-          "machine); overhead us/tensor = (ours' median - peer's median) / tensors ours copies out per step; calls ratio = ours' "
-          "calls per step / peer's (Python + C)")
+          "machine); overhead us/tensor = (ours' median - peer's median) / tensors ours copies out per step; "
+          "calls ratio = ours' calls per step / peer's (Python + C)")
     print("note: on CPU every copy is a synchronous memcpy with no copy engine to overlap it, so these times measure "
           "the per-tensor bookkeeping and the copies themselves, not what a GPU would hide")
     if args.json:
