@@ -105,21 +105,21 @@ def test_owner_parameters_follow_changes_of_the_module_after_wrapping(change):
     torch.manual_seed(0)
     block = swap_wrapper(_Growing())
     x0 = torch.randn(4, 8)
-    _kept_after_one_step(block, x0)  # the first call walks the module
+    _kept_after_one_step(block, x0)  # a first call, whatever it may leave remembered
     block.extra = extra = _frozen_linear(1)
     weight = extra.weight
     if change != "new submodule":
-        _kept_after_one_step(block, x0)  # walked again with extra in it
-    if change == "replaced submodule":  # the same number of children: the registration is what tells
-        old = extra  # (still alive: its death alone would tell too)
+        _kept_after_one_step(block, x0)  # a call with extra in the module
+    if change == "replaced submodule":  # the same number of children (a count of them would not tell)
+        old = extra  # still alive (nor would a weak reference to it)
         block.extra = extra = _frozen_linear(2)
         weight = extra.weight
         assert old.weight is not weight
     elif change == "direct _parameters write":
         weight = nn.Parameter(torch.randn(8, 8), requires_grad=False)
-        extra._parameters["weight"] = weight  # no registration hook fires
+        extra._parameters["weight"] = weight  # no PyTorch registration hook fires
     elif change == "del submodule":
-        del block.extra  # no registration hook fires either
+        del block.extra  # no PyTorch registration hook fires either
         object.__setattr__(block, "outside", extra)  # still run, but as a plain attribute
     kept = _kept_after_one_step(block, x0)
     if change == "del submodule":
