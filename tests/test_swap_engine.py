@@ -113,7 +113,7 @@ def test_saving_into_a_storage_in_flight_is_an_error(fresh_manager):
     st = view._swap_tensor
     assert st.state is TensorState.D2H
     with pytest.raises(RuntimeError, match="swap group 'g'.*already d2h.*before launching its offload"):
-        st.add_alias(torch.zeros(1))
+        st.add_alias(mgr.backend.saved_facts(torch.zeros(1), ()))
     mgr.wait_offload("g")
     mgr.launch_load("g")
     mgr.wait_load("g")

@@ -25,11 +25,12 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
-from typing import Any, Callable, ContextManager, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import (Any, Callable, Container, ContextManager, Hashable, Iterable, Iterator, List, NamedTuple, Optional,
+                    Sequence, Tuple)
 
 from .keep_reason import KeepReason
 
-__all__ = ["Backend", "OpKind", "set_backend", "active_backend", "use_backend"]
+__all__ = ["Backend", "OpKind", "SavedFacts", "set_backend", "active_backend", "use_backend"]
 
 Tensor = Any
 Stream = Any
@@ -48,6 +49,27 @@ class OpKind(enum.Enum):
     RANDOM = "random"        # draws random numbers: see Backend.rng_replayable
     COLLECTIVE = "collective"  # communicates: kept unless the policy answers MUST_RECOMPUTE
     WAIT = "wait"            # waits for a collective's result: as COLLECTIVE, and re-runs with a re-run collective
+
+
+class SavedFacts(NamedTuple):
+    """What the swap path needs to know about one tensor autograd saves, answered by
+    :meth:`Backend.saved_facts` in one call (it runs for every saved tensor).
+
+    ``reason`` is ``None`` for a swap candidate, else why the tensor stays on the device as it is.
+    ``alias`` (see :meth:`Backend.alias`) and ``version`` (its version counter now) are always set;
+    ``nbytes`` is the storage's size (0 where it cannot be measured); ``key`` the storage's
+    :meth:`Backend.storage_id` where the tensor could be swapped. ``meta`` (the alias's
+    :meth:`Backend.view_meta`), ``device`` (its :meth:`Backend.device_key`) and ``stream`` (the
+    current stream there: the producer) are set for a swap candidate only."""
+
+    reason: Optional[KeepReason]
+    alias: Tensor
+    version: int
+    key: Optional[int]
+    nbytes: int
+    meta: ViewMeta
+    device: Hashable
+    stream: Stream
 
 
 class Backend(abc.ABC):
@@ -144,6 +166,31 @@ class Backend(abc.ABC):
         """Whether ``t`` (or the tensor it is a view of) is a leaf that requires grad: a parameter
         or an input being differentiated, held outside any region."""
         ...
+
+    def saved_facts(self, t: Tensor, param_keys: Container[int]) -> SavedFacts:
+        """Everything a saved-tensor pack needs to know about ``t`` (see :class:`SavedFacts`), with
+        the reason it stays on the device: :meth:`unswappable_reason`, else ``PARAMETER`` /
+        ``BUFFER`` when its storage is one of ``param_keys`` (by :meth:`requires_grad`), else
+        ``PARAMETER`` for a :meth:`is_grad_leaf`. The default composes those primitives; a backend
+        may answer in one call, with exactly the same answers (``tests/test_backend_contract.py``
+        compares them)."""
+        alias = self.alias(t)
+        version = self.version(alias)
+        reason = self.unswappable_reason(t)
+        if reason is not None:
+            nbytes = 0 if reason is KeepReason.UNSUPPORTED_TENSOR else self.storage_nbytes(t)
+            return SavedFacts(reason, alias, version, None, nbytes, None, None, None)
+        key = self.storage_id(t)
+        nbytes = self.storage_nbytes(t)
+        if key in param_keys:
+            reason = KeepReason.PARAMETER if self.requires_grad(t) else KeepReason.BUFFER
+        elif self.is_grad_leaf(t):
+            reason = KeepReason.PARAMETER
+        if reason is not None:
+            return SavedFacts(reason, alias, version, key, nbytes, None, None, None)
+        meta = self.view_meta(alias)
+        device = self.device_key(meta)
+        return SavedFacts(None, alias, version, key, nbytes, meta, device, self.current_stream(device))
 
     # ------------------------------------------------------------------ byte views, allocation, copies
     @abc.abstractmethod

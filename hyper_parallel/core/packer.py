@@ -45,33 +45,23 @@ class SwapPacker:
         self.policy_fn = policy_fn
         self.param_ids = param_ids or set()
 
-    def _keep_reason(self, t: Any, key: int) -> Optional[KeepReason]:
-        """Why ``t`` (of device storage ``key``) stays on the device, or ``None`` to swap it.
-        ``t`` passed ``Backend.unswappable_reason`` already."""
-        b = self._b
-        if key in self.param_ids:
-            return KeepReason.PARAMETER if b.requires_grad(t) else KeepReason.BUFFER
-        if b.is_grad_leaf(t):
-            return KeepReason.PARAMETER
-        if self.policy_fn is not None:
-            decision = normalize_swap_policy(
-                self.policy_fn(t), f"a saved tensor of shape {tuple(t.shape)} and dtype {t.dtype}")
-            if decision is Decision.SAVE:
-                return KeepReason.POLICY_SAVE
-        return None
-
     def pack(self, t: Any) -> Any:
-        # Called for every tensor autograd saves: the common case (an activation to swap) makes
-        # one pass over the checks and computes the storage key once.
-        b = self._b
-        reason = b.unswappable_reason(t)
+        # Called for every tensor autograd saves: one backend call answers every question (why it
+        # stays, or what a swap candidate needs).
+        facts = self._b.saved_facts(t, self.param_ids)
+        reason = facts.reason
         if reason is None:
-            key = b.storage_id(t)
-            reason = self._keep_reason(t, key)
-            if reason is None:
-                return self.storage.add_swap(b.alias(t), key)
-        self.storage.add_kept(t, reason)
-        return Saved(b.alias(t), b.version)
+            if self.policy_fn is None or self._policy_swaps(t):
+                return self.storage.add_candidate(facts)
+            reason = KeepReason.POLICY_SAVE
+        self.storage.add_save(facts.nbytes, reason)
+        return Saved(facts.alias, self._b.version, saved_version=facts.version)
+
+    def _policy_swaps(self, t: Any) -> bool:
+        """Whether ``policy_fn(t)`` lets a swap candidate go (anything but a SAVE answer)."""
+        decision = normalize_swap_policy(
+            self.policy_fn(t), f"a saved tensor of shape {tuple(t.shape)} and dtype {t.dtype}")
+        return decision is not Decision.SAVE
 
     @staticmethod
     def unpack(packed: Any) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 __all__ = ["Saved"]
 
@@ -16,10 +16,15 @@ class Saved:
 
     __slots__ = ("val", "saved_version", "_version")
 
-    def __init__(self, val: Any, version: Callable[[Any], int], check: bool = True) -> None:
+    def __init__(self, val: Any, version: Callable[[Any], int], check: bool = True,
+                 saved_version: Optional[int] = None) -> None:
         self.val = val
         self._version = version if check else None
-        self.saved_version = version(val) if check else 0
+        if not check:
+            saved_version = 0
+        elif saved_version is None:
+            saved_version = version(val)
+        self.saved_version = saved_version  # (given: read by the caller already)
 
     def get_val(self) -> Any:
         if self._version is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from .backend import Backend
+from .backend import Backend, SavedFacts
 from .keep_reason import KeepReason
 
 from .swap_tensor import SwapTensor, SwapView
@@ -42,15 +42,22 @@ class Storage:
         self._unscanned_bytes = 0  # saved since the last look
         self._held_bytes = 0       # still held by the forward at the last look
 
-    def add_swap(self, tensor: Any, key: Optional[int] = None) -> SwapView:
-        """Register a tensor to be swapped; returns the handle to read it back with. ``key``:
-        ``Backend.storage_id(tensor)`` when the caller knows it already."""
-        if key is None:
-            key = self._b.storage_id(tensor)
+    def add_swap(self, alias: Any) -> SwapView:
+        """Register a tensor to be swapped (an alias of it: see ``Backend.alias``); returns the
+        handle to read it back with."""
+        b = self._b
+        meta = b.view_meta(alias)
+        device = b.device_key(meta)
+        return self.add_candidate(SavedFacts(None, alias, b.version(alias), b.storage_id(alias),
+                                             b.storage_nbytes(alias), meta, device, b.current_stream(device)))
+
+    def add_candidate(self, facts: SavedFacts) -> SwapView:
+        """:meth:`add_swap` of a tensor already described by ``Backend.saved_facts``."""
+        key = facts.key
         st = self._on_device.get(key)
         if st is not None and st.unmoved:
-            return SwapView(st, st.add_alias(tensor), self)
-        st = SwapTensor(self._b, self._pool, self.group_name, tensor)
+            return SwapView(st, st.add_alias(facts), self)
+        st = SwapTensor(self._b, self._pool, self.group_name, facts)
         self._on_device[key] = st
         self.swap_storage.append(st)
         view = SwapView(st, 0, self)

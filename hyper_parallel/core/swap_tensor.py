@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Callable, Dict, List, Optional
 
-from .backend import Backend
+from .backend import Backend, SavedFacts
 from .keep_reason import KeepReason
 
 __all__ = ["TensorState", "SwapTensor", "SwapView"]
@@ -46,7 +46,8 @@ class SwapTensor:
     """State machine of one saved device storage (see the module docstring).
 
     ``backend`` supplies the tensor operations; ``pool`` the host buffers; ``group_name`` is
-    only used to say which group to load in error messages.
+    only used to say which group to load in error messages; ``facts`` describe the first saved
+    tensor (:meth:`Backend.saved_facts` of a swap candidate).
     """
 
     # One is made per saved storage: slots keep the constructor and attribute reads cheap.
@@ -55,17 +56,17 @@ class SwapTensor:
                  "producers", "_copy_stream", "_dev_stream", "_load_event", "_ready", "_load_issued", "load_on_use",
                  "bucket", "slot_offset", "_block", "__weakref__")
 
-    def __init__(self, backend: Backend, pool: Any, group_name: str, alias: Any) -> None:
+    def __init__(self, backend: Backend, pool: Any, group_name: str, facts: SavedFacts) -> None:
         self._b = backend
         self._pool = pool
         self.group_name = group_name
-        self.nbytes: int = backend.storage_nbytes(alias)
+        self.nbytes: int = facts.nbytes
         self.state = TensorState.DEVICE  # read-only outside this class (a plain attribute: read per tensor)
         # Detached aliases of the saved tensors: they keep the storage alive and share the
         # originals' version counters, so in-place changes after saving are detected.
-        self._aliases: Optional[List[Any]] = [alias]
-        self._versions: List[int] = [backend.version(alias)]
-        self._metas: List[Any] = [backend.view_meta(alias)]
+        self._aliases: Optional[List[Any]] = [facts.alias]
+        self._versions: List[int] = [facts.version]
+        self._metas: List[Any] = [facts.meta]
         self._src: Any = None      # byte view of the source while its D2H copy is in flight
         self._host: Any = None     # host buffer holding the bytes while offloaded
         self._dev: Any = None      # the reloaded storage (a byte tensor, or a bucket's slot)
@@ -80,12 +81,11 @@ class SwapTensor:
         self.kept_reason: Optional[KeepReason] = None  # set once the storage stays on the device for good
         self.shared_skips = 0  # launches that skipped it because somebody else held it
         #: the device whose streams order this storage's copies (``Backend.device_key``)
-        self.device = backend.device_key(self._metas[0])
+        self.device = facts.device
         # Streams current when the aliases were saved (their producers): the copy stream waits
         # them all, and the source's release is protected when one of them is not the stream
         # that waits the offload.
-        stream = backend.current_stream(self.device)
-        self.producers: List[Any] = [stream] if stream is not None else []
+        self.producers: List[Any] = [facts.stream] if facts.stream is not None else []
         self._copy_stream: Any = None  # the copy stream of the copy in flight (or last issued)
         self._dev_stream: Any = None   # the stream that allocated ``_block`` (the block's owner)
         self._load_event: Any = None   # the event after the H2D copy into ``_dev``
@@ -97,11 +97,6 @@ class SwapTensor:
         self.load_on_use: Optional[Callable[["SwapTensor"], None]] = None
 
     # ----------------------------------------------------------------- bookkeeping
-    def _note_producer(self) -> None:
-        stream = self._b.current_stream(self.device)
-        if stream is not None and not any(stream == s for s in self.producers):
-            self.producers.append(stream)
-
     @property
     def unmoved(self) -> bool:
         """On the device as saved: never offloaded, not kept for good, the original saved tensors
@@ -129,16 +124,19 @@ class SwapTensor:
             return False
         return self._aliases is None or not self.held_elsewhere()
 
-    def add_alias(self, alias: Any) -> int:
-        """Register one more saved tensor viewing this storage; returns its index."""
+    def add_alias(self, facts: SavedFacts) -> int:
+        """Register one more saved tensor viewing this storage (described by ``facts``); returns
+        its index."""
         if self.state is not TensorState.DEVICE or self._aliases is None:
             raise RuntimeError(
                 f"swap group '{self.group_name}': a tensor was saved into a storage that is already "
                 f"{self.state.value}; save all tensors of a region before launching its offload.")
-        self._aliases.append(alias)
-        self._versions.append(self._b.version(alias))
-        self._metas.append(self._b.view_meta(alias))
-        self._note_producer()
+        self._aliases.append(facts.alias)
+        self._versions.append(facts.version)
+        self._metas.append(facts.meta)
+        stream = facts.stream
+        if stream is not None and not any(stream == s for s in self.producers):
+            self.producers.append(stream)
         return len(self._aliases) - 1
 
     def _mutation(self) -> Optional[str]:

@@ -358,6 +358,10 @@ class SimDevice(TorchBackend):
             return KeepReason.ON_HOST
         return super().unswappable_reason(t)
 
+    # The contract's composition, not TorchBackend's one-call version: it asks the simulated
+    # primitives above (view_meta, device_key, unswappable_reason, current_stream).
+    saved_facts = Backend.saved_facts
+
     def current_stream(self, device: Any = None) -> SimStream:
         tls = self._state()
         device = tls.device if device is None else device

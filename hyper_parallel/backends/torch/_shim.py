@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from typing import Any, List
+from typing import Any, List, Tuple
 
 try:
     from torch.distributed.fsdp import FSDPModule as _FSDPModule
@@ -60,6 +60,13 @@ def detach_keeping_version(x: torch.Tensor) -> torch.Tensor:
         return x.detach()
     with torch._C._SetExcludeDispatchKeyGuard(_AD_INPLACE_OR_VIEW, False):
         return x.detach()
+
+
+def saved_identity(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
+    """``(detach_keeping_version(x), x's version now, storage_key(x), x's storage bytes)``: the
+    private reads the swap path makes for every saved tensor, in one call."""
+    storage = x.untyped_storage()
+    return detach_keeping_version(x), x._version, storage._cdata, storage.nbytes()
 
 
 def pipeline_stages(schedule: Any) -> List[Any]:

@@ -18,7 +18,7 @@ import torch.utils.checkpoint as torch_ckpt
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from hyper_parallel.core.backend import Backend, OpKind
+from hyper_parallel.core.backend import Backend, OpKind, SavedFacts
 from hyper_parallel.core.keep_reason import KeepReason
 from hyper_parallel.core.policy import CheckpointPolicy, normalize_policy
 from hyper_parallel.core.recompute_session import SessionBoxes
@@ -218,6 +218,13 @@ _NO_RANGE = contextlib.nullcontext()  # reusable: nullcontext keeps no state
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
+def _unsupported(t: torch.Tensor) -> bool:
+    """A tensor the byte copy cannot rebuild: a subclass, a non-strided layout, a meta tensor, or
+    a conj/neg view (they carry a lazy bit that a view rebuilt from raw bytes would lose)."""
+    return (type(t) not in _PLAIN_TENSOR_TYPES or t.layout is not _STRIDED or t.is_meta or t.is_conj()
+            or t.is_neg())
+
+
 def _submodules(module: torch.nn.Module) -> List[torch.nn.Module]:
     """``module`` and every module below it, each once, ``module`` first (what
     ``module.modules()`` yields, without building names)."""
@@ -280,16 +287,38 @@ class TorchBackend(Backend):
         return t.clone()
 
     def unswappable_reason(self, t: torch.Tensor) -> Optional[KeepReason]:
-        if type(t) not in _PLAIN_TENSOR_TYPES or t.layout is not _STRIDED:
-            return KeepReason.UNSUPPORTED_TENSOR
-        if t.is_meta or t.is_conj() or t.is_neg():
-            # conj/neg views carry a lazy bit that a view rebuilt from raw bytes would lose
+        if _unsupported(t):
             return KeepReason.UNSUPPORTED_TENSOR
         if self.accelerator is not None and t.is_cpu:
             return KeepReason.ON_HOST
         if t.untyped_storage().nbytes() == 0:
             return KeepReason.EMPTY
         return None
+
+    def saved_facts(self, t: torch.Tensor, param_keys: Any) -> SavedFacts:
+        # The composition of Backend.saved_facts in one call and one shim call: it runs for every
+        # tensor autograd saves in a swap region, and each primitive call costs more than its work.
+        if _unsupported(t):
+            alias = _shim.detach_keeping_version(t)
+            return _new_tuple(SavedFacts, (KeepReason.UNSUPPORTED_TENSOR, alias, _shim.version(alias), None, 0,
+                                           None, None, None))
+        alias, version, key, nbytes = _shim.saved_identity(t)
+        if self.accelerator is not None and t.is_cpu:
+            return _new_tuple(SavedFacts, (KeepReason.ON_HOST, alias, version, None, nbytes, None, None, None))
+        if nbytes == 0:
+            return _new_tuple(SavedFacts, (KeepReason.EMPTY, alias, version, None, 0, None, None, None))
+        if key in param_keys:
+            reason = KeepReason.PARAMETER if t.requires_grad else KeepReason.BUFFER
+            return _new_tuple(SavedFacts, (reason, alias, version, key, nbytes, None, None, None))
+        base = t._base if t._base is not None else t
+        if base.is_leaf and base.requires_grad:
+            return _new_tuple(SavedFacts, (KeepReason.PARAMETER, alias, version, key, nbytes, None, None, None))
+        # view_meta, device_key and current_stream, inline
+        device = alias.device
+        meta = _new_tuple(ViewMeta, (alias.shape, alias.stride(), alias.storage_offset(), alias.dtype, device))
+        device = None if device == _CPU else device
+        stream = self._dm.current_stream(device) if self._dm is not None else None
+        return _new_tuple(SavedFacts, (None, alias, version, key, nbytes, meta, device, stream))
 
     def requires_grad(self, t: torch.Tensor) -> bool:
         return t.requires_grad

@@ -1,0 +1,112 @@
+"""A backend's one-call answers agree with the contract's composition of its primitives.
+
+``TorchBackend.saved_facts`` answers everything a saved-tensor pack needs in one call (it runs for
+every tensor autograd saves); ``Backend.saved_facts`` composes the fine primitives
+(``unswappable_reason``, ``storage_id``, ``is_grad_leaf``, ``alias``, ``view_meta``...). Any
+difference between the two would make the torch swap path keep or swap a different set of
+tensors than the contract says, so they are compared field by field on every kind of tensor a
+pack can see.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hyper_parallel.backends.torch.backend import TorchBackend
+from hyper_parallel.core.backend import Backend
+from hyper_parallel.core.keep_reason import KeepReason
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def _cases():
+    """``name -> (tensor, param_keys)``; built lazily, so each test gets fresh tensors."""
+    b = TorchBackend()
+    weight = torch.nn.Parameter(torch.randn(4, 6))
+    buffer = torch.randn(6)
+    params = {b.storage_id(weight), b.storage_id(buffer)}
+    leaf = torch.randn(3, 5, requires_grad=True)
+    act = torch.randn(8, 6, requires_grad=True) * 2  # an activation: not a leaf
+    base = torch.randn(10, 12)
+    return {
+        "activation": (act, params),
+        "activation, no param keys": (act, frozenset()),
+        "strided view with an offset": (base[2:7, 1::3], params),
+        "transposed view": (base.t(), params),
+        "parameter": (weight, params),
+        "view of a parameter": (weight[1:], params),
+        "buffer": (buffer, params),
+        "leaf requiring grad": (leaf, params),
+        "view of a leaf requiring grad": (leaf[:, 1:3], params),
+        "leaf not requiring grad": (torch.randn(5), params),
+        "empty storage": (torch.empty(0, 4), params),
+        "conj view": (torch.randn(3, dtype=torch.complex64).conj(), params),
+        "neg view": (torch.randn(3, dtype=torch.complex64).conj().imag, params),
+        "sparse": (torch.randn(3, 3).to_sparse(), params),
+        "meta": (torch.empty(3, 3, device="meta"), params),
+        "subclass": (torch.randn(3).as_subclass(_Subclass), params),
+        "bool": (torch.rand(7) > 0.5, params),
+    }
+
+
+def _assert_same(fused, composed, t):
+    assert fused.reason is composed.reason
+    assert fused.version == composed.version == t._version
+    assert fused.key == composed.key
+    assert fused.nbytes == composed.nbytes
+    assert fused.meta == composed.meta
+    assert fused.device == composed.device
+    assert fused.stream == composed.stream
+    for alias in (fused.alias, composed.alias):
+        assert not alias.requires_grad and alias.grad_fn is None
+        assert type(alias) is type(t.detach())
+        if t.layout is torch.strided and not t.is_meta:
+            assert alias.untyped_storage()._cdata == t.untyped_storage()._cdata
+            assert (alias.shape, alias.stride(), alias.storage_offset()) == (t.shape, t.stride(), t.storage_offset())
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_torch_saved_facts_answers_what_the_contract_composes(name):
+    t, params = _cases()[name]
+    b = TorchBackend()
+    fused = b.saved_facts(t, params)
+    composed = Backend.saved_facts(b, t, params)
+    _assert_same(fused, composed, t)
+
+
+def test_the_cases_cover_every_answer():
+    """The cases reach each reason the pack can get (and the swap candidate), so the comparison
+    above cannot pass by never reaching a branch."""
+    b = TorchBackend()
+    seen = {b.saved_facts(t, params).reason for t, params in _cases().values()}
+    expected = {None, KeepReason.PARAMETER, KeepReason.BUFFER, KeepReason.EMPTY, KeepReason.UNSUPPORTED_TENSOR}
+    assert seen == expected
+
+
+def test_the_alias_shares_the_version_counter_also_below_autograd():
+    """From inside a dispatch mode (below autograd: a pack hook of an autograd.Function that a
+    user's mode applies) the ADInplaceOrView key is excluded; the alias of both answers must still
+    see in-place changes of the saved tensor, or such a change would go undetected."""
+    b = TorchBackend()
+    h = torch.randn(4) * 1
+    seen = {}
+
+    class _Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not seen:
+                seen["excluded"] = torch._C._dispatch_tls_is_dispatch_key_excluded(
+                    torch._C.DispatchKey.ADInplaceOrView)
+                seen["facts"] = (b.saved_facts(h, frozenset()), Backend.saved_facts(b, h, frozenset()))
+            return func(*args, **(kwargs or {}))
+
+    with _Mode():
+        torch.zeros(1) + 1
+    assert seen["excluded"], "the case must run with ADInplaceOrView excluded"
+    fused, composed = seen["facts"]
+    _assert_same(fused, composed, h)
+    h.add_(1)
+    assert fused.alias._version == composed.alias._version == h._version == fused.version + 1
