@@ -110,3 +110,41 @@ def test_the_alias_shares_the_version_counter_also_below_autograd():
     _assert_same(fused, composed, h)
     h.add_(1)
     assert fused.alias._version == composed.alias._version == h._version == fused.version + 1
+
+
+def _offload_cases():
+    """``name -> (aliases, versions when saved, what keeps other views alive)``."""
+    base = torch.randn(6, 4)
+    unheld = [base[1:].detach(), base.t().detach()]  # (detached: no _base keeping another view)
+    del base
+    held = torch.randn(5)
+    changed = torch.randn(5)
+    v0 = changed._version
+    changed.add_(1)
+    grown = torch.randn(3)
+    second = grown.detach()
+    v_grown = grown._version
+    second.mul_(2)  # the second alias's in-place change moves the shared counter
+    return {
+        "free (the only views are the aliases)": (unheld, [t._version for t in unheld], None),
+        "held elsewhere": ([held.detach()], [held._version], held),
+        "changed in place": ([changed.detach()], [v0], None),
+        "changed through another alias": ([grown.detach(), second], [v_grown, v_grown], None),
+    }
+
+
+@pytest.mark.parametrize("name", list(_offload_cases()))
+def test_torch_offload_blocker_answers_what_the_contract_composes(name):
+    aliases, versions, keep_alive = _offload_cases()[name]
+    b = TorchBackend()
+    fused = b.offload_blocker(aliases, versions)
+    assert fused is Backend.offload_blocker(b, aliases, versions)
+
+
+def test_the_offload_cases_cover_every_answer():
+    b = TorchBackend()
+    cases = _offload_cases()
+    seen = set()
+    for aliases, versions, _ in cases.values():
+        seen.add(b.offload_blocker(aliases, versions))
+    assert seen == {None, KeepReason.SHARED, KeepReason.MODIFIED_IN_PLACE}

@@ -122,6 +122,17 @@ class Backend(abc.ABC):
         framework cannot tell (then every candidate is copied, which stays safe)."""
         ...
 
+    def offload_blocker(self, aliases: Sequence[Tensor], versions: Sequence[int]) -> Optional[KeepReason]:
+        """Why the storage that ``aliases`` (saved tensors, ``versions`` their versions when saved)
+        view cannot be offloaded now: ``MODIFIED_IN_PLACE`` when one was changed in place since
+        (its :meth:`version` moved), else ``SHARED`` when :meth:`storage_other_holders` is not 0;
+        ``None`` when it can go. One call for what an offload checks per storage; the default
+        composes those primitives, and an override must give the same answers."""
+        for alias, saved in zip(aliases, versions):
+            if self.version(alias) != saved:
+                return KeepReason.MODIFIED_IN_PLACE
+        return KeepReason.SHARED if self.storage_other_holders(aliases) > 0 else None
+
     @abc.abstractmethod
     def version(self, t: Tensor) -> int:
         """The version counter bumped by every in-place change of ``t``'s data (shared by aliases)."""
@@ -295,6 +306,11 @@ class Backend(abc.ABC):
     def trace_range(self, name: str) -> ContextManager[Any]:
         """A named range in the framework's profiler trace; costs nothing unless a profiler records."""
         ...
+
+    def tracing(self) -> bool:
+        """Whether :meth:`trace_range` may open a range now. Paths that run once per tensor skip
+        the ``with`` (a few calls) when this is false. The default: always true."""
+        return True
 
     # ------------------------------------------------------------------ random numbers
     @abc.abstractmethod

@@ -443,8 +443,12 @@ class SwapGroup:
         copy_stream = copy_streams(device)
         if copy_stream is None and t.bucket is None:
             # Copies are synchronous (no streams): nothing to order, no event; the same
-            # transitions in one call (this runs once per saved tensor in backward).
-            with p.trace_range(self._ranges["launch_load"]):
+            # transitions in one call (this runs once per saved tensor in backward, so the range's
+            # context is only entered while a profiler records).
+            if p.tracing():
+                with p.trace_range(self._ranges["launch_load"]):
+                    t.load_synchronously()
+            else:
                 t.load_synchronously()
             self.stats.loaded_bytes += t.nbytes
             self.stats.load_launches += 1

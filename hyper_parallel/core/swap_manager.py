@@ -233,8 +233,9 @@ class SwapManager:
     def _load_on_use(self, tensor: Any) -> None:
         """``SwapTensor.load_on_use`` of the layer chain's groups where copies are synchronous:
         autograd unpacks an offloaded tensor; load it now (through its group, so the statistics
-        and the pool see it)."""
-        with self._locked:
+        and the pool see it). Runs once per saved tensor: the plain lock (the deferred forgets that
+        ``_locked`` runs first can wait for the next call)."""
+        with self.lock:
             group = self._groups.get(tensor.group_name)
             if group is not None and tensor.state is TensorState.HOST:
                 group.load_now(tensor, self._copy_stream_for)

@@ -183,14 +183,6 @@ class SwapTensor:
             f"a saved tensor of swap group '{self.group_name}' is still being loaded (state 'h2d'). "
             f"Call SwapManager().wait_load('{self.group_name}') before the backward that needs it.")
 
-    def view_released(self) -> None:
-        """A saved tensor of this storage was dropped by autograd. With the last one, a storage on
-        the device (reloaded, or never moved) is needed by nobody: drop our references to it now
-        rather than when the whole region's graph dies."""
-        self._views -= 1
-        if self._views == 0 and self.state is TensorState.DEVICE:
-            self._drop_if_unused()
-
     def _drop_if_unused(self) -> None:
         """On the device with no saved tensor left to read it (autograd dropped them all, possibly
         while it was on the host, and a group load brought it back anyway, e.g. with its bucket):
@@ -211,16 +203,17 @@ class SwapTensor:
             return self.kept_reason
         if self._aliases is None:  # reloaded earlier in this step: a second offload is a new save
             return self.keep(KeepReason.RELOADED)
-        if self._mutation():
-            return self.keep(KeepReason.MODIFIED_IN_PLACE)
-        if self.held_elsewhere():
+        blocker = self._b.offload_blocker(self._aliases, self._versions)
+        if blocker is None:
+            return None
+        if blocker is KeepReason.SHARED:
             # Somebody else (the caller still holding a layer's input, a shared mask...) holds
             # this storage: copying it now would free nothing, so skip the bandwidth. Unlike the
             # other reasons this one can pass (the caller moves on to the next layer): the next
             # launch of the group tries again.
             self.shared_skips += 1
-            return KeepReason.SHARED
-        return None
+            return blocker
+        return self.keep(blocker)  # modified in place since it was saved
 
     def start_offload(self, host: Any, copy_stream: Any, bucket: Any = None, offset: int = 0) -> None:
         """Issue the D2H copy of the whole storage into ``host`` at byte ``offset`` (a slot of
@@ -394,7 +387,8 @@ class SwapTensor:
                 self._protect(self._src, self._copy_stream)
             elif self.state is TensorState.H2D:
                 self._protect(self._block, self._copy_stream)
-            self._release_host(self._host_guard)
+            if self._host is not None:
+                self._release_host(self._host_guard)
         except Exception:  # interpreter shutdown: the pool may be gone already
             pass
 
@@ -421,7 +415,13 @@ class SwapView:
         return self._swap_tensor.get_val(self._index)
 
     def __del__(self) -> None:
+        # A saved tensor of the storage was dropped by autograd. With the last one, a storage on
+        # the device (reloaded, or never moved) is needed by nobody: its device copy goes now
+        # rather than when the whole region's graph dies.
         try:
-            self._swap_tensor.view_released()
+            st = self._swap_tensor
+            st._views -= 1
+            if not st._views:
+                st._drop_if_unused()
         except Exception:  # interpreter shutdown
             pass

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from typing import Any, List, Tuple
+from typing import Any, List, Sequence, Tuple
 
 try:
     from torch.distributed.fsdp import FSDPModule as _FSDPModule
@@ -67,6 +67,18 @@ def saved_identity(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
     private reads the swap path makes for every saved tensor, in one call."""
     storage = x.untyped_storage()
     return detach_keeping_version(x), x._version, storage._cdata, storage.nbytes()
+
+
+def saved_storage_state(aliases: Sequence[torch.Tensor], versions: Sequence[int]) -> Tuple[bool, int]:
+    """``(whether the version of an alias is no longer the one in versions, how many tensors view
+    the aliases' common storage)``: the private reads an offload makes for every storage, in one
+    call (see ``storage_use_count``)."""
+    changed = False
+    for alias, saved in zip(aliases, versions):
+        if alias._version != saved:
+            changed = True
+            break
+    return changed, storage_use_count(aliases[0].untyped_storage()) - 1
 
 
 def pipeline_stages(schedule: Any) -> List[Any]:

@@ -271,6 +271,13 @@ class TorchBackend(Backend):
         # use count = tensors viewing the storage + 1 for the `storage` object held here.
         return _shim.storage_use_count(storage) - 1 - len(aliases)
 
+    def offload_blocker(self, aliases: Sequence[torch.Tensor], versions: Sequence[int]) -> Optional[KeepReason]:
+        # Backend.offload_blocker with one shim call: it runs for every storage an offload considers.
+        changed, viewers = _shim.saved_storage_state(aliases, versions)
+        if changed:
+            return KeepReason.MODIFIED_IN_PLACE
+        return KeepReason.SHARED if viewers > len(aliases) else None
+
     version = staticmethod(_shim.version)
 
     def view_meta(self, t: torch.Tensor) -> ViewMeta:
@@ -401,6 +408,8 @@ class TorchBackend(Backend):
         if stream is None or self._dm is None:
             return contextlib.nullcontext()
         return self._dm.stream(stream)
+
+    tracing = staticmethod(_shim.profiler_enabled)
 
     def trace_range(self, name: str) -> Any:
         # A record_function range costs a few microseconds even when nobody records: only open
