@@ -43,13 +43,15 @@ class _Forward:
     forward that fed it. Its backward loads exactly these (several forwards of a layer may wait for
     their backward: gradient accumulation, micro-batches) and prefetches the predecessor's."""
 
-    __slots__ = ("_refs", "prev", "__weakref__")
+    __slots__ = ("_refs", "prev", "at_once", "__weakref__")
 
-    def __init__(self, prev: Optional["_Forward"]) -> None:
+    def __init__(self, prev: Optional["_Forward"], at_once: bool) -> None:
         # Weak references in the order the storages were made (a loaded forward goes back in
         # backward-use order, the reverse); a plain list is cheaper to make than a WeakSet.
         self._refs: List[weakref.ref] = []
         self.prev = weakref.ref(prev) if prev is not None else None
+        #: ``SwapManager._waits_offload_at_once()`` when the forward started (asked once per call)
+        self.at_once = at_once
 
     def add(self, storage: Any) -> None:
         """A storage made while this forward runs (``SwapManager.new_storage``)."""
@@ -260,7 +262,8 @@ class LayerChain:
         link.saved_group_names.append(self._m._current_group_name)
         self._m._switch_group(link.name)
         group = self._m._group(link.name)
-        if self._m._waits_offload_at_once():
+        at_once = self._m._waits_offload_at_once()
+        if at_once:
             # Copies are synchronous: what the layer saved and the forward has dropped goes to the
             # host as the layer runs (checked once per EARLY_OFFLOAD_CHUNK saved bytes, so that
             # layers of small tensors pay nothing), which bounds the forward like save_on_cpu.
@@ -270,7 +273,7 @@ class LayerChain:
             group.on_saved = group.load_on_use = None
         prev = self._alive(link.prev)
         fed_by = self._links[prev].last_forward if prev is not None and prev in self._links else None
-        record = _Forward(fed_by)
+        record = _Forward(fed_by, at_once)
         link.forwards.append(record)
         self._m._forward_records.append(record)
 
@@ -286,8 +289,7 @@ class LayerChain:
             return False
         link.last_forward = record
         has_next = link.next is not None and link.next() is not None
-        at_once = self._m._waits_offload_at_once()
-        if at_once:
+        if record.at_once:
             # Copies are synchronous (no copy stream): waiting now loses no overlap and frees this
             # layer's device memory one layer earlier; for the same reason the last layer is
             # offloaded too (its backward loads each tensor when used), so the head's forward and

@@ -441,8 +441,7 @@ class TorchBackend(Backend):
     def grad_recording(self) -> bool:
         return torch.is_grad_enabled()
 
-    def in_backward(self) -> bool:
-        return _shim.in_backward()
+    in_backward = staticmethod(_shim.in_backward)  # (asked on every region call and chain hook)
 
     def saved_tensors_hooks(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
