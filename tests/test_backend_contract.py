@@ -10,6 +10,8 @@ pack can see.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -21,6 +23,12 @@ from hyper_parallel.core.keep_reason import KeepReason
 
 class _Subclass(torch.Tensor):
     pass
+
+
+def _nested(layout):
+    with warnings.catch_warnings():  # (the strided layout warns that it is a prototype)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], layout=layout)
 
 
 def _cases():
@@ -50,7 +58,29 @@ def _cases():
         "meta": (torch.empty(3, 3, device="meta"), params),
         "subclass": (torch.randn(3).as_subclass(_Subclass), params),
         "bool": (torch.rand(7) > 0.5, params),
+        "nested (strided layout)": (_nested(torch.strided), params),
+        "nested (jagged layout)": (_nested(torch.jagged), params),
     }
+
+
+def _backend(kind):
+    """A TorchBackend as this CPU machine has it (``cpu``), or told that an accelerator exists
+    (``accelerator``: every CPU tensor is then on the host), or given a device module whose
+    current stream is a sentinel naming the device asked for (``streams``: the producer stream of
+    a candidate must be that of its device)."""
+    b = TorchBackend()
+    if kind == "accelerator":
+        b.accelerator = torch.device("cuda")
+    elif kind == "streams":
+        class _DeviceModule:
+            @staticmethod
+            def current_stream(device=None):
+                return ("current stream of", device)
+        b._dm = _DeviceModule()
+    return b
+
+
+KINDS = ("cpu", "accelerator", "streams")
 
 
 def _assert_same(fused, composed, t):
@@ -64,27 +94,35 @@ def _assert_same(fused, composed, t):
     for alias in (fused.alias, composed.alias):
         assert not alias.requires_grad and alias.grad_fn is None
         assert type(alias) is type(t.detach())
-        if t.layout is torch.strided and not t.is_meta:
+        if t.layout is torch.strided and not t.is_meta and not t.is_nested:
             assert alias.untyped_storage()._cdata == t.untyped_storage()._cdata
             assert (alias.shape, alias.stride(), alias.storage_offset()) == (t.shape, t.stride(), t.storage_offset())
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", list(_cases()))
-def test_torch_saved_facts_answers_what_the_contract_composes(name):
+def test_torch_saved_facts_answers_what_the_contract_composes(name, kind):
     t, params = _cases()[name]
-    b = TorchBackend()
+    b = _backend(kind)
     fused = b.saved_facts(t, params)
     composed = Backend.saved_facts(b, t, params)
     _assert_same(fused, composed, t)
 
 
 def test_the_cases_cover_every_answer():
-    """The cases reach each reason the pack can get (and the swap candidate), so the comparison
-    above cannot pass by never reaching a branch."""
-    b = TorchBackend()
-    seen = {b.saved_facts(t, params).reason for t, params in _cases().values()}
-    expected = {None, KeepReason.PARAMETER, KeepReason.BUFFER, KeepReason.EMPTY, KeepReason.UNSUPPORTED_TENSOR}
-    assert seen == expected
+    """The cases reach each reason the pack can get (and the swap candidate, with its producer
+    stream where there are streams), so the comparison above cannot pass by never reaching a
+    branch."""
+    seen = set()
+    for kind in KINDS:
+        b = _backend(kind)
+        for t, params in _cases().values():
+            facts = b.saved_facts(t, params)
+            seen.add(facts.reason)
+            if kind == "streams" and facts.reason is None:
+                assert facts.stream == ("current stream of", facts.device)
+    assert seen == {None, KeepReason.PARAMETER, KeepReason.BUFFER, KeepReason.EMPTY, KeepReason.ON_HOST,
+                    KeepReason.UNSUPPORTED_TENSOR}
 
 
 def test_the_alias_shares_the_version_counter_also_below_autograd():
@@ -121,6 +159,9 @@ def _offload_cases():
     changed = torch.randn(5)
     v0 = changed._version
     changed.add_(1)
+    both = torch.randn(5)  # changed in place and still held: the change decides (kept for good)
+    v_both = both._version
+    both.add_(1)
     grown = torch.randn(3)
     second = grown.detach()
     v_grown = grown._version
@@ -130,6 +171,7 @@ def _offload_cases():
         "held elsewhere": ([held.detach()], [held._version], held),
         "changed in place": ([changed.detach()], [v0], None),
         "changed through another alias": ([grown.detach(), second], [v_grown, v_grown], None),
+        "changed in place and held elsewhere": ([both.detach()], [v_both], both),
     }
 
 
@@ -139,6 +181,8 @@ def test_torch_offload_blocker_answers_what_the_contract_composes(name):
     b = TorchBackend()
     fused = b.offload_blocker(aliases, versions)
     assert fused is Backend.offload_blocker(b, aliases, versions)
+    if name.startswith("changed"):
+        assert fused is KeepReason.MODIFIED_IN_PLACE
 
 
 def test_the_offload_cases_cover_every_answer():

@@ -58,18 +58,19 @@ class SavedFacts(NamedTuple):
     ``reason`` is ``None`` for a swap candidate, else why the tensor stays on the device as it is.
     ``alias`` (see :meth:`Backend.alias`) and ``version`` (its version counter now) are always set;
     ``nbytes`` is the storage's size (0 where it cannot be measured); ``key`` the storage's
-    :meth:`Backend.storage_id` where the tensor could be swapped. ``meta`` (the alias's
+    :meth:`Backend.storage_id` once the tensor passed :meth:`Backend.unswappable_reason` (a
+    candidate, a parameter, a buffer), else ``None``. ``meta`` (the alias's
     :meth:`Backend.view_meta`), ``device`` (its :meth:`Backend.device_key`) and ``stream`` (the
-    current stream there: the producer) are set for a swap candidate only."""
+    current stream there: the producer) are set for a swap candidate only (else ``None``)."""
 
     reason: Optional[KeepReason]
     alias: Tensor
     version: int
     key: Optional[int]
     nbytes: int
-    meta: ViewMeta
+    meta: Optional[ViewMeta]
     device: Hashable
-    stream: Stream
+    stream: Optional[Stream]
 
 
 class Backend(abc.ABC):
@@ -125,7 +126,7 @@ class Backend(abc.ABC):
     def offload_blocker(self, aliases: Sequence[Tensor], versions: Sequence[int]) -> Optional[KeepReason]:
         """Why the storage that ``aliases`` (saved tensors, ``versions`` their versions when saved)
         view cannot be offloaded now: ``MODIFIED_IN_PLACE`` when one was changed in place since
-        (its :meth:`version` moved), else ``SHARED`` when :meth:`storage_other_holders` is not 0;
+        (its :meth:`version` moved), else ``SHARED`` when :meth:`storage_other_holders` is above 0;
         ``None`` when it can go. One call for what an offload checks per storage; the default
         composes those primitives, and an override must give the same answers."""
         for alias, saved in zip(aliases, versions):

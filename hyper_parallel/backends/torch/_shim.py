@@ -16,7 +16,7 @@ except ImportError:  # a build without torch.distributed
 __all__ = ["storage_key", "version", "storage_use_count", "in_backward", "detach_keeping_version", "pipeline_stages",
            "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class", "innermost_saved_tensors_hooks",
            "functional_collective", "is_compiled_module",
-           "pinned_alloc_size", "empty_host_cache"]
+           "pinned_alloc_size", "empty_host_cache", "saved_identity", "saved_storage_state"]
 
 # Namespaces of PyTorch's functional collectives (and their waits): ops that communicate.
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
@@ -63,10 +63,11 @@ def detach_keeping_version(x: torch.Tensor) -> torch.Tensor:
 
 
 def saved_identity(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
-    """``(detach_keeping_version(x), x's version now, storage_key(x), x's storage bytes)``: the
-    private reads the swap path makes for every saved tensor, in one call."""
+    """``(detach_keeping_version(x), that alias's version now, storage_key(x), x's storage
+    bytes)``: the private reads the swap path makes for every saved tensor, in one call."""
+    alias = detach_keeping_version(x)
     storage = x.untyped_storage()
-    return detach_keeping_version(x), x._version, storage._cdata, storage.nbytes()
+    return alias, alias._version, storage._cdata, storage.nbytes()
 
 
 def saved_storage_state(aliases: Sequence[torch.Tensor], versions: Sequence[int]) -> Tuple[bool, int]:

@@ -219,10 +219,11 @@ _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def _unsupported(t: torch.Tensor) -> bool:
-    """A tensor the byte copy cannot rebuild: a subclass, a non-strided layout, a meta tensor, or
-    a conj/neg view (they carry a lazy bit that a view rebuilt from raw bytes would lose)."""
-    return (type(t) not in _PLAIN_TENSOR_TYPES or t.layout is not _STRIDED or t.is_meta or t.is_conj()
-            or t.is_neg())
+    """A tensor the byte copy cannot rebuild: a subclass, a non-strided layout, a nested tensor (its
+    sizes are not one shape), a meta tensor, or a conj/neg view (they carry a lazy bit that a view
+    rebuilt from raw bytes would lose)."""
+    return (type(t) not in _PLAIN_TENSOR_TYPES or t.layout is not _STRIDED or t.is_nested or t.is_meta
+            or t.is_conj() or t.is_neg())
 
 
 def _submodules(module: torch.nn.Module) -> List[torch.nn.Module]:
