@@ -60,6 +60,50 @@ def test_copying_peers_are_bitwise_exact_and_count_what_they_copy():
     assert 0 < sac.h2d <= sac.d2h
 
 
+def test_floor_hooks_move_what_swap_wrapper_moves_bitwise():
+    """The yardstick of swap_overhead (bench/floor_hooks.py) must do the same work as the engine
+    it is compared with: the same tensors and bytes out and back, exact gradients, and an in-place
+    change of a saved tensor refused."""
+    from hyper_parallel.core.activation_checkpoint import SwapManager
+    from hyper_parallel.bench.swapbench import OVERHEAD_VARIANTS, counting_offloads
+
+    torch.manual_seed(0)
+    base = SmallOpsNet(blocks=4, dim=8, hidden=16)
+    x = torch.randn(2, 8)
+    base(x).backward()
+    want = _grads(base)
+
+    floor = SmallOpsNet(blocks=4, dim=8, hidden=16)
+    counter = OVERHEAD_VARIANTS["floor_hooks"].apply(floor)
+    floor(x).backward()
+    assert all(torch.equal(a, b) for a, b in zip(_grads(floor), want))
+
+    ours = SmallOpsNet(blocks=4, dim=8, hidden=16)
+    OVERHEAD_VARIANTS["ours_swap_wrapper"].apply(ours)
+    ours(x).backward()  # (the chain's first step)
+    for model in (floor, ours):
+        for p in model.parameters():
+            p.grad = None
+    before = (counter.tensors, counter.d2h, counter.h2d)
+    floor(x).backward()
+    stats0 = SwapManager().stats()
+    with counting_offloads() as counted:
+        ours(x).backward()
+    stats1 = SwapManager().stats()
+    assert counter.tensors - before[0] == counted["tensors"] > 0
+    assert counter.d2h - before[1] == stats1["offloaded_bytes"] - stats0["offloaded_bytes"]
+    assert counter.h2d - before[2] == stats1["loaded_bytes"] - stats0["loaded_bytes"] == counter.d2h - before[1]
+    assert all(torch.equal(a, b) for a, b in zip(_grads(floor), want))
+
+    h = {}
+    floor.layers[1].inner.act.register_forward_hook(lambda m, a, out: h.setdefault("gelu", out))
+    loss = floor(x)
+    with torch.no_grad():
+        h["gelu"].mul_(2)  # saved by fc2 (kept on the device: held by this dict)
+    with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+        loss.backward()
+
+
 def _len_each(n):
     return [len([i]) for i in range(n)]  # per item: one call of len
 
@@ -141,10 +185,10 @@ def test_swap_overhead_tiny(tmp_path):
     assert proc.returncode == 0, log
     doc = json.loads(out.read_text())
     rows = doc["results"]
-    assert set(rows) == {"none", "save_on_cpu", "copy_hooks", "ours_swap_wrapper", "torch_sac", "torch_sac_copy",
-                         "ours_save", "ours_ckpt_swap"}
+    assert set(rows) == {"none", "save_on_cpu", "copy_hooks", "ours_swap_wrapper", "floor_hooks", "torch_sac",
+                         "torch_sac_copy", "ours_save", "ours_ckpt_swap"}
     assert all(r["grads_equal_to_none"] for r in rows.values())
-    for n in ("copy_hooks", "ours_swap_wrapper", "torch_sac_copy", "ours_ckpt_swap"):
+    for n in ("copy_hooks", "ours_swap_wrapper", "floor_hooks", "torch_sac_copy", "ours_ckpt_swap"):
         assert rows[n]["moved"]["tensors"] > 0 and rows[n]["moved"]["d2h"] > 0, (n, rows[n])
     for n in ("none", "save_on_cpu", "torch_sac", "ours_save"):
         assert rows[n]["moved"] == {"tensors": 0, "d2h": 0, "h2d": 0, "copies_back": 0}, (n, rows[n])

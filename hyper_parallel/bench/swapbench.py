@@ -33,6 +33,7 @@ from hyper_parallel.bench.modes import (
     apply_variant,
     sac_host_copy_contexts,
 )
+from hyper_parallel.bench.floor_hooks import FloorSwapLayer
 from hyper_parallel.bench.timing import interleaved, median, synchronize, timed
 
 __all__ = [
@@ -124,6 +125,15 @@ def _v_copy_hooks(model):
     return counter
 
 
+def _v_floor_hooks(model):
+    counter = ByteCounter()
+    previous = None
+    n = len(model.layers)
+    for i, layer in enumerate(model.layers):
+        previous = model.layers[i] = FloorSwapLayer(layer, counter, previous, retry=i < n - 1)
+    return counter
+
+
 def _v_torch_sac(model):
     ctx = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, _torch_policy)
     _each(model, lambda b: HooksLayer(b, contextlib.nullcontext, context_fn=ctx))
@@ -167,8 +177,11 @@ OVERHEAD_VARIANTS: Dict[str, OverheadVariant] = {v.name: v for v in [
                                           "too) out (torch.empty_like + copy_) and back (clone): save_on_cpu "
                                           "off-device", _v_copy_hooks),
     OverheadVariant("ours_swap_wrapper", "ours", "wrap_layers(blocks, swap=True): swap_wrapper per block, chained; "
-                                                 "every saved activation offloaded (parameters kept, last block "
-                                                 "not offloaded)", _v_ours_swap_wrapper, swaps=True),
+                                                 "every saved activation offloaded (parameters kept; on CPU the "
+                                                 "last block too, loads on use)", _v_ours_swap_wrapper, swaps=True),
+    OverheadVariant("floor_hooks", "peer", "bench/floor_hooks.py: the least a hook pair does to move what "
+                                           "ours_swap_wrapper moves on CPU, with its checks (a yardstick, not a "
+                                           "peer library)", _v_floor_hooks),
     OverheadVariant("torch_sac", "peer", "PyTorch selective checkpoint per block: MUST_SAVE mm/addmm, "
                                          "PREFER_RECOMPUTE else; nothing copied", _v_torch_sac),
     OverheadVariant("torch_sac_copy", "peer", "torch_sac whose cached mm/addmm outputs are copied out and back "
@@ -185,6 +198,8 @@ OVERHEAD_VARIANTS: Dict[str, OverheadVariant] = {v.name: v for v in [
 #: ``(ours, peer, target ratio)``: the issue's per-tensor-overhead targets, and the reference pairs.
 OVERHEAD_PAIRS: Tuple[Tuple[str, str, Optional[float]], ...] = (
     ("ours_swap_wrapper", "copy_hooks", 1.5),
+    ("ours_swap_wrapper", "floor_hooks", None),
+    ("floor_hooks", "copy_hooks", None),
     ("ours_ckpt_swap", "torch_sac_copy", 1.25),
     ("ours_swap_wrapper", "save_on_cpu", None),
     ("ours_ckpt_swap", "torch_sac", None),
