@@ -25,7 +25,7 @@ class KeepReason(str, enum.Enum):
     SHARED = "shared"                  # somebody else still holds the storage: copying frees nothing
     HOST_LIMIT = "host_limit"          # the host pool reached SwapManager().set_host_memory_limit
     POLICY_SAVE = "policy_save"        # a swap_wrapper policy answered MUST_SAVE / PREFER_SAVE
-    UNSUPPORTED_TENSOR = "unsupported_tensor"  # a tensor type a byte copy cannot rebuild (sparse, conj view...)
+    UNSUPPORTED_TENSOR = "unsupported_tensor"  # a tensor type a byte copy cannot rebuild (sparse, nested, conj view...)
     ON_HOST = "on_host"                # already in host memory
     EMPTY = "empty"                    # a storage of zero bytes
     MODIFIED_IN_PLACE = "modified_in_place"  # changed in place after it was saved (backward raises)
