@@ -2,7 +2,7 @@
 what ``swap_wrapper`` + the layer chain swap on CPU, with the same checks, and nothing else.
 
 Per block (:class:`FloorSwapLayer`): the storage keys of the block's parameters and buffers, read
-on every call as the engine does; a pack that keeps parameters, buffers, leaves that require grad
+on every call by the engine's own walk; a pack that keeps parameters, buffers, leaves that require grad
 and tensors a byte copy cannot rebuild, and records every other saved tensor under its storage
 (aliases share one record, with their versions and layouts); at the block's end, every record
 that only the hooks still hold and that was not changed in place is copied to a host buffer from a
@@ -27,12 +27,15 @@ import torch
 from torch import nn
 
 from hyper_parallel.backends.torch import _shim
+from hyper_parallel.backends.torch.backend import TorchBackend, not_byte_copyable
 from hyper_parallel.bench.modes import ByteCounter
+from hyper_parallel.core.packer import parameter_storages
+from hyper_parallel.core.saved import Saved
 
 __all__ = ["FloorSwapLayer"]
 
 _ON_DEVICE, _ON_HOST = 0, 1
-_PLAIN = (torch.Tensor, nn.Parameter)
+_BACKEND = TorchBackend()  # (for the engine's own parameter walk, parameter_storages)
 
 
 class _Record:
@@ -69,33 +72,7 @@ class _View:
             rec.dev = rec.aliases = None
 
 
-class _Kept:
-    __slots__ = ("alias", "version")
-
-    def __init__(self, alias: torch.Tensor, version: int) -> None:
-        self.alias = alias
-        self.version = version
-
-
 _free: Dict[int, List[torch.Tensor]] = {}  # host buffers by size, shared by every layer
-
-
-def _modified() -> RuntimeError:
-    return RuntimeError("a saved tensor was modified by an in-place operation after it was saved")
-
-
-def _parameter_keys(module: nn.Module) -> Set[int]:
-    """Storage keys of ``module``'s parameters and buffers and its sub-modules' (a module tree)."""
-    keys: Set[int] = set()
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        for d in (m._parameters, m._buffers):
-            for t in d.values():
-                if t is not None:
-                    keys.add(_shim.storage_key(t))
-        stack.extend(m._modules.values())
-    return keys
 
 
 class _Region:
@@ -111,14 +88,12 @@ class _Region:
         self.counter = counter
 
     def pack(self, t: torch.Tensor) -> Any:
-        if (type(t) not in _PLAIN or t.layout is not torch.strided or t.is_nested or t.is_meta or t.is_conj()
-                or t.is_neg()):
-            alias = _shim.detach_keeping_version(t)
-            return _Kept(alias, _shim.version(alias))
+        if not_byte_copyable(t):
+            return Saved(_shim.detach_keeping_version(t), _shim.version)
         alias, version, key, nbytes = _shim.saved_identity(t)
         base = t._base if t._base is not None else t
         if nbytes == 0 or key in self.params or (base.is_leaf and base.requires_grad):
-            return _Kept(alias, version)
+            return Saved(alias, _shim.version, saved_version=version)
         rec = self.records.get(key)
         if rec is not None and rec.state == _ON_DEVICE and rec.aliases is not None:
             rec.aliases.append(alias)
@@ -130,10 +105,8 @@ class _Region:
         return _View(rec, 0)
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        if type(packed) is _Kept:
-            if _shim.version(packed.alias) != packed.version:
-                raise _modified()
-            return packed.alias
+        if type(packed) is Saved:
+            return packed.get_val()  # (the version check of a kept tensor)
         rec = packed.rec
         if rec.state == _ON_HOST:
             self.counter.h2d += rec.nbytes
@@ -144,7 +117,7 @@ class _Region:
         elif rec.aliases is not None:
             for alias, version in zip(rec.aliases, rec.versions):
                 if _shim.version(alias) != version:
-                    raise _modified()
+                    raise RuntimeError("a saved tensor was modified by an in-place operation after it was saved")
             return rec.aliases[packed.index]
         size, stride, offset, dtype = rec.metas[packed.index]
         return torch.empty(0, dtype=dtype).set_(rec.dev.untyped_storage(), offset, size, stride)
@@ -189,7 +162,7 @@ class FloorSwapLayer(nn.Module):
         self._skipped: List[_Record] = []
 
     def forward(self, *args: Any) -> Any:
-        region = _Region(_parameter_keys(self.inner), self._counter)
+        region = _Region(parameter_storages(_BACKEND, self.inner), self._counter)
         with torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack):
             out = self.inner(*args)
         self._skipped = _offload(region.order, self._counter)

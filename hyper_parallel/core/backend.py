@@ -200,6 +200,11 @@ class Backend(abc.ABC):
             reason = KeepReason.PARAMETER
         if reason is not None:
             return SavedFacts(reason, alias, version, key, nbytes, None, None, None)
+        return self.candidate_facts(alias, version, key, nbytes)
+
+    def candidate_facts(self, alias: Tensor, version: int, key: int, nbytes: int) -> SavedFacts:
+        """The :class:`SavedFacts` of a swap candidate whose ``alias``, ``version``, storage
+        ``key`` and ``nbytes`` are known: its view metadata, device and producer stream added."""
         meta = self.view_meta(alias)
         device = self.device_key(meta)
         return SavedFacts(None, alias, version, key, nbytes, meta, device, self.current_stream(device))

@@ -46,10 +46,8 @@ class Storage:
         """Register a tensor to be swapped (an alias of it: see ``Backend.alias``); returns the
         handle to read it back with."""
         b = self._b
-        meta = b.view_meta(alias)
-        device = b.device_key(meta)
-        return self.add_candidate(SavedFacts(None, alias, b.version(alias), b.storage_id(alias),
-                                             b.storage_nbytes(alias), meta, device, b.current_stream(device)))
+        return self.add_candidate(b.candidate_facts(alias, b.version(alias), b.storage_id(alias),
+                                                    b.storage_nbytes(alias)))
 
     def add_candidate(self, facts: SavedFacts) -> SwapView:
         """:meth:`add_swap` of a tensor already described by ``Backend.saved_facts``."""

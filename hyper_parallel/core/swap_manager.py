@@ -437,10 +437,7 @@ class SwapManager:
     def _waits_offload_at_once(self) -> bool:
         """Whether the layer chain waits a layer's offload right after launching it: only where
         copies are synchronous and the (default) budget loads on demand."""
-        if self.copies_overlap():
-            return False
-        budget = self._prefetch_budget  # (prefetch_budget() where copies do not overlap)
-        return budget is _AUTO or budget == 0
+        return not self.copies_overlap() and self.prefetch_budget() == 0
 
     # ------------------------------------------------------------------ layer chain
     def set_forward_prefetch_layer(self, first_layer: Any, second_layer: Any) -> None:

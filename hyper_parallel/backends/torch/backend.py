@@ -26,7 +26,7 @@ from hyper_parallel.core.region_state import RegionMarker
 
 from . import _shim
 
-__all__ = ["TorchBackend", "ViewMeta"]
+__all__ = ["TorchBackend", "ViewMeta", "not_byte_copyable"]
 
 
 class ViewMeta(NamedTuple):
@@ -218,7 +218,7 @@ _NO_RANGE = contextlib.nullcontext()  # reusable: nullcontext keeps no state
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
-def _unsupported(t: torch.Tensor) -> bool:
+def not_byte_copyable(t: torch.Tensor) -> bool:
     """A tensor the byte copy cannot rebuild: a subclass, a non-strided layout, a nested tensor (its
     sizes are not one shape), a meta tensor, or a conj/neg view (they carry a lazy bit that a view
     rebuilt from raw bytes would lose)."""
@@ -295,7 +295,7 @@ class TorchBackend(Backend):
         return t.clone()
 
     def unswappable_reason(self, t: torch.Tensor) -> Optional[KeepReason]:
-        if _unsupported(t):
+        if not_byte_copyable(t):
             return KeepReason.UNSUPPORTED_TENSOR
         if self.accelerator is not None and t.is_cpu:
             return KeepReason.ON_HOST
@@ -306,7 +306,7 @@ class TorchBackend(Backend):
     def saved_facts(self, t: torch.Tensor, param_keys: Any) -> SavedFacts:
         # The composition of Backend.saved_facts in one call and one shim call: it runs for every
         # tensor autograd saves in a swap region, and each primitive call costs more than its work.
-        if _unsupported(t):
+        if not_byte_copyable(t):
             alias = _shim.detach_keeping_version(t)
             return _new_tuple(SavedFacts, (KeepReason.UNSUPPORTED_TENSOR, alias, _shim.version(alias), None, 0,
                                            None, None, None))
