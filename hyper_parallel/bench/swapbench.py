@@ -224,9 +224,11 @@ def counting_offloads() -> Iterator[Dict[str, int]]:
 
     def out(name):
         def counted(self, *args, **kwargs):
-            originals[name](self, *args, **kwargs)
-            counts["tensors"] += 1
-            counts["bytes"] += int(self.nbytes)
+            kept = originals[name](self, *args, **kwargs)  # (offload_synchronously: why it stayed, or None)
+            if kept is None:
+                counts["tensors"] += 1
+                counts["bytes"] += int(self.nbytes)
+            return kept
         return counted
 
     def copy_in(self, copy_stream, issue=True):

@@ -268,7 +268,7 @@ class LayerChain:
             # host as the layer runs (checked once per EARLY_OFFLOAD_CHUNK saved bytes, so that
             # layers of small tensors pay nothing), which bounds the forward like save_on_cpu.
             group.on_saved, group.early_chunk = self._m._offload_dead, EARLY_OFFLOAD_CHUNK
-            group.load_on_use = self._m._load_on_use
+            group.load_on_use = group.load_now
         else:
             group.on_saved = group.load_on_use = None
         prev = self._alive(link.prev)
@@ -309,7 +309,7 @@ class LayerChain:
             # after the last layer, where nothing would wait for it before backward), or at once
             # where copies are synchronous.
             if has_next and prev_group.has_retryable():
-                self._m._retry_offload(prev_group.name)
+                self._m._retry_offload(prev_group.name, record.at_once)
             before = prev_link.prev() if prev_link.prev is not None else None
             if before is not None:
                 before_group = self._m._group(self._links[before].name)

@@ -10,7 +10,6 @@ from .keep_reason import KeepReason
 from .policy import Decision, normalize_swap_policy
 from .saved import Saved
 from .storage import Storage
-from .swap_tensor import SwapView
 
 __all__ = ["SwapPacker", "parameter_storages"]
 
@@ -65,7 +64,7 @@ class SwapPacker:
 
     @staticmethod
     def unpack(packed: Any) -> Any:
-        return packed.get_val() if isinstance(packed, (Saved, SwapView)) else packed
+        return packed.get_val()  # (pack returns a Saved or a SwapView)
 
     def hooks(self) -> Any:
         """The backend's saved-tensor hooks context with this packer's pack/unpack."""

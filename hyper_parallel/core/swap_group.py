@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections import defaultdict
@@ -90,8 +91,13 @@ class SwapGroup:
     event (so it can be waited) and every other tensor where it was.
     """
 
-    def __init__(self, name: str, backend: Backend, stats: GroupStats, pool: Any, persistent: bool = False) -> None:
+    def __init__(self, name: str, backend: Backend, stats: GroupStats, pool: Any, persistent: bool = False,
+                 lock: Any = None) -> None:
         self.name = name
+        #: the manager's lock (re-entrant): :meth:`load_now` runs from autograd, outside the manager
+        self._lock = lock if lock is not None else threading.RLock()
+        #: set once the manager has forgotten this group (its tensors are not loaded on use any more)
+        self.retired = False
         self._b = backend
         self.stats = stats
         self._pool = pool  # the host buffers of bucketed copies (a solo takes its own in SwapTensor)
@@ -260,42 +266,49 @@ class SwapGroup:
                 self._launch_offload(_no_copy_stream, runs)
             self.wait_offload()
             return
-        pool = self._pool
-        skipped: List[SwapTensor] = []
-        self._skipped_shared = skipped
-        with self._b.trace_range(self._ranges["launch_offload"]):
-            try:
-                for run in runs:
-                    for t in run:
-                        if not self._cleared(t, skipped):
-                            continue
-                        host = pool.acquire(t.nbytes, None)
-                        if host is None:
-                            self.stats.keep(t.keep(KeepReason.HOST_LIMIT), t.nbytes)
-                            continue
-                        try:
-                            t.offload_synchronously(host)
-                        except BaseException:
-                            pool.release(host, t.nbytes, None)
-                            raise
-                        self._offloaded(t)
-            finally:
-                self.stats.offload_launches += 1
+        if self._b.tracing():  # (a range's context costs calls even when nobody records)
+            with self._b.trace_range(self._ranges["launch_offload"]):
+                self._offload_each(runs)
+        else:
+            self._offload_each(runs)
         self.offload_cancelled = False
 
+    def _offload_each(self, runs: List[List[SwapTensor]]) -> None:
+        """The body of :meth:`offload_synchronously` without buckets: each storage by itself."""
+        skipped: List[SwapTensor] = []
+        self._skipped_shared = skipped
+        pool = self._pool
+        try:
+            for run in runs:
+                for t in run:
+                    skipped_before = t.shared_skips
+                    reason = t.offload_synchronously(pool)
+                    if reason is None:
+                        self._offloaded(t)
+                    else:
+                        self._not_offloaded(t, reason, skipped_before, skipped)
+        finally:
+            self.stats.offload_launches += 1
+
     def _cleared(self, t: SwapTensor, skipped: List[SwapTensor]) -> bool:
-        """Whether ``t`` can be offloaded now (``SwapTensor.offload_reason``); if not, count the
-        bytes it keeps on the device (a storage skipped as held elsewhere once, however often it
-        is skipped again) and add it to ``skipped`` when it is held elsewhere."""
+        """Whether ``t`` can be offloaded now (``SwapTensor.offload_reason``); if not, see
+        :meth:`_not_offloaded`."""
         skipped_before = t.shared_skips
         reason = t.offload_reason()
         if reason is None:
             return True
+        self._not_offloaded(t, reason, skipped_before, skipped)
+        return False
+
+    def _not_offloaded(self, t: SwapTensor, reason: KeepReason, skipped_before: int,
+                       skipped: List[SwapTensor]) -> None:
+        """``t`` stays on the device for ``reason``: count the bytes it keeps there (a storage
+        skipped as held elsewhere once, however often it is skipped again: ``skipped_before``,
+        its skips before this launch) and add it to ``skipped`` when it is held elsewhere."""
         if reason is KeepReason.SHARED:
             skipped.append(t)
         if reason is not KeepReason.SHARED or not skipped_before:  # count each storage once
             self.stats.keep(reason, t.nbytes)
-        return False
 
     def _offloaded(self, t: SwapTensor) -> None:
         """The offload copy of ``t`` was issued: its statistics, and its load on use."""
@@ -433,31 +446,35 @@ class SwapGroup:
         chosen = self.storages() if storages is None else [s for s in storages if s is not None]
         return [t for s in reversed(chosen) for t in reversed(list(s.swap_tensors())) if t.state in states]
 
-    def load_now(self, t: SwapTensor, copy_streams: Callable[[Any], Any]) -> None:
-        """Load the offloaded tensor ``t`` (with the siblings of its bucket, which share its copy)
-        and make compute wait for it: a launch and its wait, the same transitions and ordering
-        points as ``launch_load`` + ``wait_load``, without their bookkeeping of a whole group (the
-        layer chain's load on use, where copies are synchronous: see ``SwapTensor.load_on_use``)."""
-        p = self._b
-        device = t.device
-        copy_stream = copy_streams(device)
-        if copy_stream is None and t.bucket is None:
-            # Copies are synchronous (no streams): nothing to order, no event; the same
-            # transitions in one call (this runs once per saved tensor in backward, so the range's
-            # context is only entered while a profiler records).
-            if p.tracing():
-                with p.trace_range(self._ranges["launch_load"]):
+    def load_now(self, t: SwapTensor) -> None:
+        """Load the offloaded tensor ``t`` now (with the siblings of its bucket, which share its
+        copy), where copies are synchronous: the layer chain's load on use (this method is the
+        ``SwapTensor.load_on_use`` of the tensors it offloads on CPU), called when autograd
+        unpacks ``t``. The same transitions as ``launch_load`` + ``wait_load``, without their
+        bookkeeping of a whole group, under the manager's lock; nothing once the manager has
+        forgotten this group (``retired``: the tensor then says which group to load)."""
+        with self._lock:
+            if self.retired or t.state is not TensorState.HOST:
+                return
+            if t.bucket is None:
+                # Nothing to order, no event: the transitions in one call (this runs once per
+                # saved tensor in backward, so a range is only opened while a profiler records).
+                if self._b.tracing():
+                    with self._b.trace_range(self._ranges["launch_load"]):
+                        t.load_synchronously()
+                else:
                     t.load_synchronously()
-            else:
-                t.load_synchronously()
-            self.stats.loaded_bytes += t.nbytes
-            self.stats.load_launches += 1
-            return
+                self.stats.loaded_bytes += t.nbytes
+                self.stats.load_launches += 1
+                return
+            self._load_bucket_now(t)
+
+    def _load_bucket_now(self, t: SwapTensor) -> None:
+        """:meth:`load_now` of a bucket member: the bucket's one copy brings its siblings too."""
+        p = self._b
+        device, copy_stream = t.device, None  # (copies are synchronous: no copy stream)
         with p.trace_range(self._ranges["launch_load"]):
-            tensors = [t] if t.bucket is None or t.state is not TensorState.HOST else self._with_siblings([t])
-            allocated = self._allocate(tensors)
-            if not allocated:
-                return  # an offload in flight was cancelled: the source is still on the device
+            allocated = self._allocate(self._with_siblings([t]))
             self._order_and_copy_in(allocated, copy_stream, device)
             event = p.record_event(copy_stream)
             for m in allocated:

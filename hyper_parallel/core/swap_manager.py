@@ -13,7 +13,6 @@ from .layer_chain import LayerChain
 from .storage import Storage
 from .swap_bucket import SLOT_ALIGN
 from .swap_group import GroupStats, SwapGroup
-from .swap_tensor import TensorState
 
 __all__ = ["SwapManager", "DEFAULT_GROUP"]
 
@@ -132,7 +131,8 @@ class SwapManager:
             self._retired.pop(name, None)
             self._recent_retired.pop(name, None)
             stats = self._stats.setdefault(name, GroupStats())
-            group = self._groups[name] = SwapGroup(name, self.backend, stats, self._pool, persistent)
+            group = self._groups[name] = SwapGroup(name, self.backend, stats, self._pool, persistent,
+                                                    self.lock)
             group.bucket_bytes = self._bucket_bytes
         elif persistent:
             group.persistent = True
@@ -194,6 +194,7 @@ class SwapManager:
         group.forget_in_flight()
         if not group.persistent and name != self._current_group_name:
             del self._groups[name]
+            group.retired = True
             self._retire_stats(name)
             # Remember the name for a while: a wait or launch on it after its graph died (the
             # graph of a skipped step) has nothing to do, which is not the user's mistake.
@@ -230,16 +231,6 @@ class SwapManager:
                 self._group(group_name, create=True)
             self._switch_group(group_name)
 
-    def _load_on_use(self, tensor: Any) -> None:
-        """``SwapTensor.load_on_use`` of the layer chain's groups where copies are synchronous:
-        autograd unpacks an offloaded tensor; load it now (through its group, so the statistics
-        and the pool see it). Runs once per saved tensor: the plain lock (the deferred forgets that
-        ``_locked`` runs first can wait for the next call)."""
-        with self.lock:
-            group = self._groups.get(tensor.group_name)
-            if group is not None and tensor.state is TensorState.HOST:
-                group.load_now(tensor, self._copy_stream_for)
-
     def _offload_dead(self, storage: Storage) -> None:
         """``Storage.on_saved`` of the layer chain's groups where copies are synchronous: offload
         the storage's tensors that the forward no longer holds, now rather than at the layer's end."""
@@ -262,7 +253,9 @@ class SwapManager:
         that are still alive stay where they are and give their host buffers back when they die.
         Used to clean up after an aborted step so the name is free for the next one."""
         with self._locked:
-            if self._groups.pop(group_name, None) is not None:
+            group = self._groups.pop(group_name, None)
+            if group is not None:
+                group.retired = True
                 self._retire_stats(group_name)
                 if group_name == self._current_group_name:
                     self._current_group_name = None
@@ -306,25 +299,25 @@ class SwapManager:
             if group is not None:
                 group.launch_offload(self._streams(copy_stream))
 
-    def _retry_offload(self, group_name: str) -> None:
+    # The layer chain's own two calls: it holds the lock already (they do not take it again).
+    def _retry_offload(self, group_name: str, at_once: bool) -> None:
         """The layer chain's second try: launch the offload of what group ``group_name``'s last
         launch skipped because somebody else held it then (``SwapGroup.retry_offload``); where
-        the chain waits offloads at once (copies are synchronous), offload it and wait."""
-        with self._locked:
-            group = self._group(group_name)
-            if self._waits_offload_at_once():
-                group.offload_synchronously(group.retry_runs())
-            else:
-                group.retry_offload(self._copy_stream_for)
+        the chain waits offloads at once (``at_once``: copies are synchronous), offload it and
+        wait."""
+        group = self._group(group_name)
+        if at_once:
+            group.offload_synchronously(group.retry_runs())
+        else:
+            group.retry_offload(self._copy_stream_for)
 
     def _offload_at_once(self, group_name: str) -> None:
         """The layer chain's offload of a layer where copies are synchronous: ``launch_offload``
         and ``wait_offload`` in one call (``SwapGroup.offload_synchronously``)."""
-        with self._locked:
-            group = self._live_group(group_name)
-            if group is not None:
-                group.offload_synchronously()
-                self._forget_if_empty(group_name)
+        group = self._live_group(group_name)
+        if group is not None:
+            group.offload_synchronously()
+            self._forget_if_empty(group_name)
 
     def wait_offload(self, group_name: str) -> None:
         """Make compute wait for the group's offload and release its device memory."""
@@ -437,7 +430,10 @@ class SwapManager:
     def _waits_offload_at_once(self) -> bool:
         """Whether the layer chain waits a layer's offload right after launching it: only where
         copies are synchronous and the (default) budget loads on demand."""
-        return not self.copies_overlap() and self.prefetch_budget() == 0
+        if self.copies_overlap():
+            return False
+        budget = self._prefetch_budget  # (prefetch_budget() without asking copies_overlap again)
+        return budget is _AUTO or budget == 0
 
     # ------------------------------------------------------------------ layer chain
     def set_forward_prefetch_layer(self, first_layer: Any, second_layer: Any) -> None:
@@ -511,6 +507,8 @@ class SwapManager:
             for group in list(self._groups.values()):
                 group.settle()
             self._chain.clear()
+            for group in self._groups.values():
+                group.retired = True
             self._groups.clear()
             self._retired.clear()
             self._stats.clear()

@@ -195,7 +195,7 @@ class SwapTensor:
     # ----------------------------------------------------------------- offload
     def offload_reason(self) -> Optional[KeepReason]:
         """``None`` when this storage can be offloaded now, else why it stays on the device (kept
-        for good, except ``SHARED``: see below)."""
+        for good, except ``SHARED``: see :meth:`_blocked`)."""
         if self.state is not TensorState.DEVICE:
             raise RuntimeError(f"swap group '{self.group_name}': offload of a tensor in state "
                                f"'{self.state.value}'; only tensors on the device can be offloaded.")
@@ -204,8 +204,10 @@ class SwapTensor:
         if self._aliases is None:  # reloaded earlier in this step: a second offload is a new save
             return self.keep(KeepReason.RELOADED)
         blocker = self._b.offload_blocker(self._aliases, self._versions)
-        if blocker is None:
-            return None
+        return None if blocker is None else self._blocked(blocker)
+
+    def _blocked(self, blocker: KeepReason) -> KeepReason:
+        """An offload found ``blocker`` (``Backend.offload_blocker``) in the way."""
         if blocker is KeepReason.SHARED:
             # Somebody else (the caller still holding a layer's input, a shared mask...) holds
             # this storage: copying it now would free nothing, so skip the bandwidth. Unlike the
@@ -226,16 +228,32 @@ class SwapTensor:
         self._aliases = None
         self.state = TensorState.D2H
 
-    def offload_synchronously(self, host: Any) -> None:
+    def offload_synchronously(self, pool: Any) -> Optional[KeepReason]:
         """``device`` -> ``host`` in one step, where copies are synchronous (the backend has no
-        streams): :meth:`start_offload` and :meth:`wait_offload` with nothing to order, for a
-        storage of its own; after :meth:`offload_reason` answered ``None``. The copy is done when
-        this returns; dropping the aliases frees the device storage unless somebody else holds it.
-        If the copy raises, nothing changes."""
-        self._b.copy_bytes(host, self._aliases[0])
+        streams): :meth:`offload_reason`, a host buffer of its own from ``pool``,
+        :meth:`start_offload` and :meth:`wait_offload`, with nothing to order. Returns ``None``
+        when the copy is done (dropping the aliases frees the device storage unless somebody else
+        holds it), else why the storage stays (``HOST_LIMIT``: ``pool`` is at its cap). If the
+        copy raises, nothing changes (the buffer goes back to ``pool``). One call per storage
+        instead of the four, on the CPU schedule's path."""
+        aliases = self._aliases
+        if self.state is not TensorState.DEVICE or self.kept_reason is not None or aliases is None:
+            return self.offload_reason()  # (its error, or why it stays)
+        blocker = self._b.offload_blocker(aliases, self._versions)
+        if blocker is not None:
+            return self._blocked(blocker)
+        host = pool.acquire(self.nbytes, None)
+        if host is None:
+            return self.keep(KeepReason.HOST_LIMIT)
+        try:
+            self._b.copy_bytes(host, aliases[0])
+        except BaseException:
+            pool.release(host, self.nbytes, None)
+            raise
         self._host = host
         self._aliases = None
         self.state = TensorState.HOST
+        return None
 
     def keep(self, reason: KeepReason) -> KeepReason:
         """Keep this storage on the device for good (a second offload would not help)."""
@@ -308,7 +326,8 @@ class SwapTensor:
                 f"'{self.state.value}'{' (in a bucket)' if self.bucket is not None else ''}; only a "
                 "storage of its own on the host can be loaded this way.")
         self._dev = self._block = self._b.load_bytes(self._host, self.nbytes, self._metas[0])
-        self._release_host(None)  # the copy is done: nothing guards the buffer
+        self._pool.release(self._host, self.nbytes, None)  # the copy is done: nothing guards the buffer
+        self._host = None
         self.state = TensorState.DEVICE
         # (no _drop_if_unused: a saved tensor being read is what asked for this load)
 
