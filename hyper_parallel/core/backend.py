@@ -25,8 +25,8 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
-from typing import (Any, Callable, Container, ContextManager, Hashable, Iterable, Iterator, List, NamedTuple, Optional,
-                    Sequence, Tuple)
+from typing import (Any, Callable, Container, ContextManager, Hashable, Iterator, List, NamedTuple, Optional, Sequence,
+                    Set, Tuple)
 
 from .keep_reason import KeepReason
 
@@ -465,6 +465,11 @@ class Backend(abc.ABC):
     def module_tensors(self, module: Module) -> Iterator[Tensor]:
         """The parameters and buffers of ``module`` and its sub-modules."""
         ...
+
+    def module_storage_ids(self, module: Module) -> Set[int]:
+        """``storage_id`` of every tensor of :meth:`module_tensors` (read on every call of a swap
+        region: a backend may answer in one call)."""
+        return {self.storage_id(t) for t in self.module_tensors(module)}
 
     @abc.abstractmethod
     def has_buffers(self, module: Module) -> bool:

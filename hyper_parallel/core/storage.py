@@ -89,9 +89,9 @@ class Storage:
             self.on_saved(self)
 
     def add_save(self, nbytes: int, reason: KeepReason) -> None:
-        """Count bytes that stay on the device (a SAVE decision, a parameter...)."""
+        """Count bytes (``>= 0``) that stay on the device (a SAVE decision, a parameter...)."""
         self.save_bytes += nbytes
-        self._stats.keep(reason, nbytes)
+        self._stats.kept_bytes[reason] += nbytes  # (GroupStats.keep of a count that only grows)
 
     def add_kept(self, tensor: Any, reason: KeepReason) -> None:
         """Count the storage of ``tensor``, kept on the device for ``reason`` (nothing for a

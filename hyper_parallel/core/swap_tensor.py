@@ -440,7 +440,8 @@ class SwapView:
         try:
             st = self._swap_tensor
             st._views -= 1
-            if not st._views:
-                st._drop_if_unused()
+            if not st._views and st.state is TensorState.DEVICE:  # (_drop_if_unused, inline)
+                st._dev = st._block = st._aliases = None
+                st.released = True
         except Exception:  # interpreter shutdown
             pass

@@ -6,14 +6,14 @@ import sys
 
 import torch
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Sequence, Set, Tuple
 
 try:
     from torch.distributed.fsdp import FSDPModule as _FSDPModule
 except ImportError:  # a build without torch.distributed
     _FSDPModule = None
 
-__all__ = ["storage_key", "version", "storage_use_count", "in_backward", "detach_keeping_version", "pipeline_stages",
+__all__ = ["storage_key", "storage_keys", "version", "storage_use_count", "in_backward", "detach_keeping_version", "pipeline_stages",
            "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class", "innermost_saved_tensors_hooks",
            "functional_collective", "is_compiled_module",
            "pinned_alloc_size", "empty_host_cache", "saved_identity", "saved_storage_state"]
@@ -28,6 +28,11 @@ def storage_key(t: torch.Tensor) -> int:
     """Identity of the storage ``t`` views (its ``StorageImpl``), stable while the storage lives;
     ``data_ptr`` would confuse two storages that reuse one address, and views with offsets."""
     return t.untyped_storage()._cdata
+
+
+def storage_keys(tensors: Sequence[torch.Tensor]) -> Set[int]:
+    """``{storage_key(t) for t in tensors}`` in one call (a module's parameters, on every region call)."""
+    return {t.untyped_storage()._cdata for t in tensors}
 
 
 def version(t: torch.Tensor) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from typing import Any, Callable, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.utils.checkpoint as torch_ckpt
@@ -306,7 +306,8 @@ class TorchBackend(Backend):
     def saved_facts(self, t: torch.Tensor, param_keys: Any) -> SavedFacts:
         # The composition of Backend.saved_facts in one call and one shim call: it runs for every
         # tensor autograd saves in a swap region, and each primitive call costs more than its work.
-        if not_byte_copyable(t):
+        if (type(t) not in _PLAIN_TENSOR_TYPES or t.layout is not _STRIDED or t.is_nested or t.is_meta
+                or t.is_conj() or t.is_neg()):  # (not_byte_copyable, inline)
             alias = _shim.detach_keeping_version(t)
             return _new_tuple(SavedFacts, (KeepReason.UNSUPPORTED_TENSOR, alias, _shim.version(alias), None, 0,
                                            None, None, None))
@@ -558,6 +559,11 @@ class TorchBackend(Backend):
         # list, built in one comprehension: cheaper than a generator.)
         return iter([t for m in _submodules(module) for d in (m._parameters, m._buffers)
                      for t in d.values() if t is not None])
+
+    def module_storage_ids(self, module: torch.nn.Module) -> Set[int]:
+        # module_tensors and storage_id in one pass (one shim call for all the keys).
+        return _shim.storage_keys([t for m in _submodules(module) for d in (m._parameters, m._buffers)
+                                   for t in d.values() if t is not None])
 
     def has_buffers(self, module: torch.nn.Module) -> bool:
         return next(module.buffers(), None) is not None
