@@ -98,14 +98,16 @@ class _ChainHook:
         b = self.chain._m.backend
         if b.in_backward():  # a recomputation re-runs forward: not a new forward
             return
-        # The manager's lock: autograd threads (one per device) may call in at once.
+        # The manager's lock: autograd threads (one per device) may call in at once. The plain
+        # lock (a C-level context), not ``_locked``: this runs twice per layer, and the forgets
+        # deferred by finalizers can wait for the next region's ``new_storage``.
         if not self.post:
-            with self.chain._m._locked:
+            with self.chain._m.lock:
                 self.chain.forward_start(module)
             return
         # Also called when forward raised, to restore the current group.
         failed = sys.exc_info()[0] is not None or not b.grad_recording()
-        with self.chain._m._locked:
+        with self.chain._m.lock:
             armed = self.chain.forward_end(module, failed)
         if armed:
             self.chain._arm_backward_start(module, output, self.chain._links[module].last_forward)
@@ -245,7 +247,7 @@ class LayerChain:
             module = ref()
             if not fired[0] and module is not None:
                 fired[0] = True
-                with self._m._locked:
+                with self._m.lock:  # (the plain lock, as in _ChainHook.__call__)
                     self.backward_start(module, forward)
 
         for t in outs:

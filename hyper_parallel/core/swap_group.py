@@ -99,6 +99,7 @@ class SwapGroup:
         #: set once the manager has forgotten this group (its tensors are not loaded on use any more)
         self.retired = False
         self._b = backend
+        self._overlap = backend.current_stream() is not None  # (copies are not synchronous)
         self.stats = stats
         self._pool = pool  # the host buffers of bucketed copies (a solo takes its own in SwapTensor)
         #: cap of one bucket of small storages (``core/swap_bucket.py``), set by the manager; 0:
@@ -111,7 +112,6 @@ class SwapGroup:
         # Weak references in the order the storages were added (loads go in backward-use order,
         # the reverse of it); plain refs are much cheaper to walk than a weak container.
         self._storages: List[weakref.ref] = []
-        self._ids: set = set()
         self._offload_events: List[Any] = []
         self._load_events: List[Any] = []
         # What the launches since the last wait started (strong references: a tensor whose region
@@ -134,21 +134,20 @@ class SwapGroup:
         self.early_chunk = 0
 
     # ------------------------------------------------------------------ content
-    def add(self, storage: Any) -> None:
-        if self._storages and self._storages[0]() is None:
-            self.storages()  # drop the references of dead storages (a long-lived chain group adds one per step)
-        key = id(storage)
-        if key in self._ids and any(r() is storage for r in self._storages):
-            return
-        self._ids.add(key)
-        self._storages.append(weakref.ref(storage))
+    def add(self, storage: Any, new: bool = False) -> None:
+        """Add ``storage`` (once: adding it again does nothing; ``new``: it was just made, so it
+        cannot be here yet)."""
+        refs = self._storages
+        if refs and refs[0]() is None:  # drop the references of dead storages (a chain group adds one per step)
+            refs = self._storages = [r for r in refs if r() is not None]
+        if new or not any(r() is storage for r in refs):
+            refs.append(weakref.ref(storage))
 
     def storages(self) -> List[Any]:
         """The live storages, in the order they were added (forward order)."""
         live = [s for s in (r() for r in self._storages) if s is not None]
         if len(live) != len(self._storages):  # drop the references of dead storages
             self._storages = [weakref.ref(s) for s in live]
-            self._ids = {id(s) for s in live}
         return live
 
     def __len__(self) -> int:
@@ -256,7 +255,7 @@ class SwapGroup:
         left in flight. ``runs`` as for ``_launch_offload`` (default: the whole group). With
         bucketing on, the launch and the wait themselves. Only valid without streams (a host
         buffer is reused, and a source dropped, as soon as its copy call returns)."""
-        if self._b.current_stream() is not None:
+        if self._overlap:
             raise RuntimeError(f"swap group '{self.name}': offload_synchronously needs a backend without streams "
                                "(copies are synchronous); use launch_offload and wait_offload.")
         if runs is None:

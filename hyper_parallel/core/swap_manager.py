@@ -102,6 +102,7 @@ class SwapManager:
         self._locked = _Locked(self)
         self._deferred: List[str] = []  # groups whose last storage died while the lock was held
         self.backend: Backend = active_backend()
+        self._overlap = self.backend.current_stream() is not None  # (copies_overlap, asked per layer)
         self._groups: Dict[str, SwapGroup] = {}
         self._retired: "OrderedDict[str, None]" = OrderedDict()
         self._stats: Dict[str, GroupStats] = {}
@@ -149,7 +150,7 @@ class SwapManager:
             storage = Storage(self.backend, self._pool, name, group.stats)
             if group.on_saved is not None:
                 storage.on_saved, storage.early_chunk = group.on_saved, group.early_chunk
-            self._add_storage(group, storage)
+            self._add_storage(group, storage, new=True)
             if self._forward_records:
                 self._forward_records[-1].add(storage)
             return storage
@@ -166,9 +167,10 @@ class SwapManager:
         with self._locked:
             self._add_storage(self._group(group_name, create=True), storage)
 
-    def _add_storage(self, group: SwapGroup, storage: Storage) -> None:
-        """``add_storage`` once the arguments are known good and the lock is held."""
-        group.add(storage)
+    def _add_storage(self, group: SwapGroup, storage: Storage, new: bool = False) -> None:
+        """``add_storage`` once the arguments are known good and the lock is held (``new``: made
+        by ``new_storage`` just now)."""
+        group.add(storage, new)
         weakref.finalize(storage, self._forget_later, group.name)
 
     def _forget_later(self, name: str) -> None:
@@ -352,8 +354,8 @@ class SwapManager:
 
     def copies_overlap(self) -> bool:
         """Whether copies run on a copy stream, overlapping compute (an accelerator); on a CPU
-        build they are synchronous."""
-        return self.backend.current_stream() is not None
+        build they are synchronous. (A property of the backend, read when the manager binds it.)"""
+        return self._overlap
 
     def set_prefetch_budget(self, nbytes: Optional[int]) -> None:
         """How many bytes of the previous layer's swapped tensors the layer chain prefetches while
@@ -430,9 +432,9 @@ class SwapManager:
     def _waits_offload_at_once(self) -> bool:
         """Whether the layer chain waits a layer's offload right after launching it: only where
         copies are synchronous and the (default) budget loads on demand."""
-        if self.copies_overlap():
+        if self._overlap:
             return False
-        budget = self._prefetch_budget  # (prefetch_budget() without asking copies_overlap again)
+        budget = self._prefetch_budget  # (prefetch_budget(), inline)
         return budget is _AUTO or budget == 0
 
     # ------------------------------------------------------------------ layer chain
@@ -521,5 +523,6 @@ class SwapManager:
             self._forward_records = []
             # The backend is read again: a test or tool may have switched it (core.backend.use_backend).
             self.backend = active_backend()
+            self._overlap = self.backend.current_stream() is not None
             self._pool = HostBufferPool(self.backend)  # the host limit goes back to "none" too
             self._bucket_bytes = 0

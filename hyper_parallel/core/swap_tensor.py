@@ -113,7 +113,8 @@ class SwapTensor:
         """Skipped by exactly one earlier launch because it was held elsewhere: worth one more
         try (a layer input is free once the caller moved on); a storage that was still held at
         the second try (a mask every layer uses) is not retried again by the layer chain."""
-        return self.unmoved and self.shared_skips == 1
+        return (self.shared_skips == 1 and self.state is TensorState.DEVICE and self.kept_reason is None
+                and self._aliases is not None)  # (unmoved, inline)
 
     @property
     def resident_candidate(self) -> bool:
