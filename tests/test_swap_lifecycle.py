@@ -364,3 +364,69 @@ def test_groups_of_skipped_steps_with_a_launch_in_flight_disappear():
     gc.collect()
     assert mgr.group_names() == []
     assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
+
+
+# ------------------------------------------------------------------------------ forgetting groups
+def test_discard_group_leaves_its_tensors_where_they_are_and_says_so_in_backward():
+    """``discard_group`` forgets a group without moving anything: a tensor of it that was offloaded
+    stays on the host, backward names the group and the calls that would have loaded it, and the
+    host buffers go back to the pool when the graph dies."""
+    net = ToyNet()
+    for i, layer in enumerate(net.layers):
+        net.layers[i] = swap_wrapper(layer)
+    mgr = SwapManager()
+    with group("mb0"):
+        loss = net(make_input(net))
+    mgr.launch_offload("mb0")
+    mgr.wait_offload("mb0")
+    assert mgr.stats()["offloaded_bytes"] > 0 and _pool()["in_use_bytes"] > 0
+    mgr.discard_group("mb0")
+    assert "mb0" not in mgr.group_names()
+    with pytest.raises(RuntimeError, match=r"swap group 'mb0' is on the host.*launch_load\('mb0'\)"):
+        loss.backward()
+    del loss
+    gc.collect()
+    sync = getattr(active_backend(), "synchronize", None)
+    if sync is not None:
+        sync()
+    assert _pool()["in_use_bytes"] == 0
+
+
+def test_discard_group_refuses_a_layer_chain_group_and_changes_nothing():
+    net = _chained()
+    reference = _baseline_grads(make_input(net))
+    mgr = SwapManager()
+    loss = net(make_input(net))
+    with pytest.raises(ValueError, match=r"discard_group\('layer_0'\): the group belongs to the layer chain"):
+        mgr.discard_group("layer_0")
+    assert "layer_0" in mgr.group_names()
+    loss.backward()
+    assert_tensors_equal(grads(net), reference, "after a refused discard_group")
+
+
+def test_a_group_whose_last_storage_dies_while_another_thread_holds_the_lock_is_forgotten_later():
+    """A storage's finalizer never waits for the manager's lock: when another thread holds it, the
+    forget is deferred to the next call that takes the lock (``new_storage`` here)."""
+    import threading
+
+    mgr = SwapManager()
+    storage = mgr.new_storage("throwaway")
+    held, done = threading.Event(), threading.Event()
+
+    def hold_the_lock():
+        with mgr.lock:
+            held.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    held.wait(30)
+    try:
+        del storage
+        gc.collect()
+        assert "throwaway" in mgr.group_names()  # deferred: the lock was busy
+    finally:
+        done.set()
+        holder.join()
+    mgr.new_storage("next")
+    assert "throwaway" not in mgr.group_names()

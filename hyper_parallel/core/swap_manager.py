@@ -253,8 +253,16 @@ class SwapManager:
     def discard_group(self, group_name: str) -> None:
         """Forget group ``group_name`` without moving anything (no-op if unknown): storages of it
         that are still alive stay where they are and give their host buffers back when they die.
-        Used to clean up after an aborted step so the name is free for the next one."""
+        Used to clean up after an aborted step so the name is free for the next one. A group of
+        the layer chain cannot be discarded (its layers keep using it): :meth:`reset` drops the
+        chain with every group."""
         with self._locked:
+            group = self._groups.get(group_name)
+            if group is not None and group.persistent:
+                raise ValueError(
+                    f"discard_group({group_name!r}): the group belongs to the layer chain "
+                    "(set_forward_prefetch_layer / wrap_layers), whose hooks keep using it in forward and "
+                    "backward. Call SwapManager().reset() to remove the chain and every group.")
             group = self._groups.pop(group_name, None)
             if group is not None:
                 group.retired = True
