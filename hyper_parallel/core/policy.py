@@ -37,10 +37,12 @@ class CheckpointPolicy(enum.Enum):
     PREFER_RECOMPUTE = 3
     MUST_SWAP = 4
 
+    _decision: "Decision"  # (set below, once Decision exists)
+
     @property
     def decision(self) -> "Decision":
         """The action this member asks for, without the MUST/PREFER strength."""
-        return _DECISION[self]
+        return self._decision
 
 
 class Decision(enum.Enum):
@@ -58,6 +60,11 @@ _DECISION = {
     CheckpointPolicy.PREFER_RECOMPUTE: Decision.RECOMPUTE,
     CheckpointPolicy.MUST_SWAP: Decision.SWAP,
 }
+# Each member carries its decision: a selective region reads it per op, and an attribute is cheaper
+# than a dict lookup keyed by an enum member (whose hash is a Python function).
+for _member, _action in _DECISION.items():
+    _member._decision = _action
+del _member, _action
 
 
 class SelectiveCheckpointContext:

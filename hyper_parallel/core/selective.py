@@ -14,7 +14,7 @@ from collections import defaultdict
 from typing import Any, Callable, DefaultDict, Dict, Hashable, List, Optional, Set, Tuple
 
 from .backend import Backend, OpKind
-from .policy import Decision, SelectiveCheckpointContext, collective_decision, normalize_policy
+from .policy import CheckpointPolicy, Decision, SelectiveCheckpointContext, collective_decision, normalize_policy
 from .saved import Saved
 from .storage import Storage
 from .swap_tensor import SwapView
@@ -36,22 +36,36 @@ RECOMPUTE = _Marker("RECOMPUTE")  # nothing kept: the op runs again
 _CONSUMED = _Marker("CONSUMED")   # kept value handed to backward and released
 
 
-class OpLog:
-    """Per op key, the forward calls in order: decision and kept value."""
+class _Calls:
+    """The forward calls of one op key, in order: decision and kept value, and how many of them
+    the current replay has reached."""
+
+    __slots__ = ("kept", "decisions", "replayed")
 
     def __init__(self) -> None:
-        self._entries: DefaultDict[Hashable, List[Any]] = defaultdict(list)
-        self._decisions: DefaultDict[Hashable, List[Decision]] = defaultdict(list)
+        self.kept: List[Any] = []
+        self.decisions: List[Decision] = []
+        self.replayed = 0
+
+
+class OpLog:
+    """Per op key, the forward calls in order: decision and kept value. (One dict lookup per op
+    call: an op key's hash can be a Python function, e.g. PyTorch's ``OpOverload``.)"""
+
+    def __init__(self) -> None:
+        self._calls: Dict[Hashable, _Calls] = {}
         self._unasked: Set[Tuple[Hashable, int]] = set()  # replayed without asking the policy
-        self._counters: DefaultDict[Hashable, int] = defaultdict(int)
 
     # ------------------------------------------------------------------ forward
     def record(self, key: Hashable, decision: Decision, kept: Any, asked: bool = True) -> int:
         """Record one forward call; ``kept`` is ignored for RECOMPUTE. ``asked=False``: the
         engine decided without the policy (recompute will not ask it either)."""
-        index = len(self._entries[key])
-        self._decisions[key].append(decision)
-        self._entries[key].append(RECOMPUTE if decision is Decision.RECOMPUTE else kept)
+        calls = self._calls.get(key)
+        if calls is None:
+            calls = self._calls[key] = _Calls()
+        index = len(calls.kept)
+        calls.decisions.append(decision)
+        calls.kept.append(RECOMPUTE if decision is Decision.RECOMPUTE else kept)
         if not asked:
             self._unasked.add((key, index))
         return index
@@ -59,25 +73,29 @@ class OpLog:
     def recompute_instead(self, key: Hashable, index: int) -> None:
         """What was kept for this call is no longer valid (overwritten in place later in the
         forward): recompute the op instead, without holding the policy to its forward answer."""
-        self._entries[key][index] = RECOMPUTE
+        self._calls[key].kept[index] = RECOMPUTE
         self._unasked.add((key, index))
 
     # ------------------------------------------------------------------ recompute
     def start_replay(self) -> None:
         """Each recomputation replays the region from its first op."""
-        self._counters.clear()
+        for calls in self._calls.values():
+            calls.replayed = 0
 
-    def next_call(self, key: Hashable, op_label: Any) -> Tuple[int, Any, bool]:
-        """The record of the next call of ``key`` in this replay: ``(index, kept, ask_policy)``."""
-        index = self._counters[key]
-        self._counters[key] += 1
-        entries = self._entries.get(key)
-        if entries is None or index >= len(entries):
+    def next_call(self, key: Hashable, op_label: Any) -> Tuple[int, Any, bool, Any]:
+        """The record of the next call of ``key`` in this replay: ``(index, kept, ask_policy,
+        calls)``; ``calls`` goes back to :meth:`check` and :meth:`consume`."""
+        calls = self._calls.get(key)
+        index = 0
+        if calls is not None:
+            index = calls.replayed
+            calls.replayed += 1
+        if calls is None or index >= len(calls.kept):
             raise RuntimeError(
                 f"selective checkpoint: op {op_label} (call #{index}) ran during recomputation but not in "
                 "forward. The region must run the same ops in forward and recompute; check for "
                 "control flow that depends on global state or on tensor values that changed.")
-        kept = entries[index]
+        kept = calls.kept[index]
         if kept is _CONSUMED:
             raise RuntimeError(
                 "selective checkpoint: backward ran a second time through a region whose saved/swapped "
@@ -86,20 +104,23 @@ class OpLog:
                 "backward split in halves (zero-bubble pipeline schedules: stage_backward_input then "
                 "stage_backward_weight) must run its halves in one RecomputeSession (pipeline_swap and "
                 "pipeline_recompute do that for torch.distributed.pipelining schedules).")
-        return index, kept, (key, index) not in self._unasked
+        ask = not self._unasked or (key, index) not in self._unasked
+        return index, kept, ask, calls
 
-    def check(self, key: Hashable, index: int, decision: Decision, op_label: Any) -> None:
+    @staticmethod
+    def check(calls: Any, index: int, decision: Decision, op_label: Any) -> None:
         """The policy's answer during recomputation must be the one it gave in forward."""
-        forward = self._decisions[key][index]
+        forward = calls.decisions[index]
         if decision is not forward:
             raise RuntimeError(
                 f"selective checkpoint: policy_fn chose {forward.value.upper()} for op {op_label} in "
                 f"forward but {decision.value.upper()} while recomputing it; the policy must make the "
                 "same choice in both (ctx.is_recompute tells them apart for logging, not for deciding).")
 
-    def consume(self, key: Hashable, index: int) -> None:
+    @staticmethod
+    def consume(calls: Any, index: int) -> None:
         """Backward has the kept value: release it (device memory goes as soon as it can)."""
-        self._entries[key][index] = _CONSUMED
+        calls.kept[index] = _CONSUMED
 
 
 class SelectiveRegion:
@@ -143,7 +164,7 @@ class SelectiveRegion:
         self.log = OpLog()
         self._storage_factory = storage_factory
         self._swap_storage: Optional[Any] = None  # the storage MUST_SWAP outputs went to, once there is one
-        self._kinds: Dict[Any, OpKind] = {}
+        self._kinds: Dict[int, Tuple[Any, OpKind]] = {}  # id(op) -> (op, its kind)
         # storage id -> (op key, index) of kept outputs viewing it: an in-place op on one of them
         # later in the forward destroys the value that was kept (see ``_forget_mutated``).
         self._kept_by_storage: DefaultDict[int, List[Tuple[Hashable, int]]] = defaultdict(list)
@@ -165,7 +186,10 @@ class SelectiveRegion:
             # Swapped outputs the forward dropped since the last op can leave now (early offload,
             # where copies are synchronous), not only at the next swapped op or the layer's end.
             self._swap_storage.offload_dropped()
-        kind = self._kind(func)
+        # The op's kind, remembered per op object (by identity: an op's own hash can be a Python
+        # function, e.g. PyTorch's OpOverload's); _kind asks the backend the first time.
+        seen = self._kinds.get(id(func))
+        kind = seen[1] if seen is not None and seen[0] is func else self._kind(func)
         if kind is OpKind.MACHINERY:
             return _run(func, args, kwargs)
         if kind is OpKind.MUTATING:
@@ -198,7 +222,7 @@ class SelectiveRegion:
             if decision is not Decision.RECOMPUTE and not b.rng_equal(before, after):
                 self._rng_after[(key, index)] = after
             return out
-        out = _run(func, args, kwargs)
+        out = func(*args, **kwargs) if kwargs else func(*args)  # (_run, inline: the common path)
         decision = self._ask(self._ctx_forward, func, key, args, kwargs, out)
         if decision is not Decision.RECOMPUTE and b.cannot_hand_back(func, args):
             # The answer is recorded (and checked again in recompute) but nothing is kept: the op
@@ -222,7 +246,8 @@ class SelectiveRegion:
         """Run one op of the region's recomputation: re-run it, or hand back what forward kept."""
         if self.suspended:
             return _run(func, args, kwargs)  # handing back an excluded sub-module's outputs
-        kind = self._kind(func)
+        seen = self._kinds.get(id(func))  # (as in forward_op)
+        kind = seen[1] if seen is not None and seen[0] is func else self._kind(func)
         if kind is OpKind.MACHINERY:
             return _run(func, args, kwargs)
         if kind is OpKind.MUTATING:
@@ -230,18 +255,19 @@ class SelectiveRegion:
         if self.whole:
             return self._note(self._replay_write(func, args, kwargs))
         key = self._b.op_key(func)
-        index, kept, ask = self.log.next_call(key, key)
+        index, kept, ask, calls = self.log.next_call(key, key)
         if ask:
             decision = self._ask(self._ctx_recompute, func, key, args, kwargs,
                                  collective=kind is OpKind.COLLECTIVE or kind is OpKind.WAIT)
-            self.log.check(key, index, decision, key)
+            self.log.check(calls, index, decision, key)
         if kept is RECOMPUTE:
             return self._note(self._replay_write(func, args, kwargs))
         value = self._note(self._b.tree_map(self._take, kept))  # may raise (not loaded): the record then stays usable
-        rng = self._rng_after.pop((key, index), None)
-        if rng is not None:
-            self._b.set_rng_state(rng)
-        self.log.consume(key, index)  # backward has it: device memory goes as soon as it can
+        if self._rng_after:
+            rng = self._rng_after.pop((key, index), None)
+            if rng is not None:
+                self._b.set_rng_state(rng)
+        self.log.consume(calls, index)  # backward has it: device memory goes as soon as it can
         return value
 
     def _note(self, out: Any) -> Any:
@@ -259,7 +285,7 @@ class SelectiveRegion:
         b = self._b
         written = b.written_tensors(func, args, kwargs)
         if not written:
-            return _run(func, args, kwargs)
+            return func(*args, **kwargs) if kwargs else func(*args)  # (_run, inline: the common path)
         outside = {id(t): b.clone(t) for t in written if b.storage_id(t) not in self._replayed}
         if outside:
             swap = lambda x: outside.get(id(x), x)  # noqa: E731
@@ -268,9 +294,8 @@ class SelectiveRegion:
 
     # ------------------------------------------------------------------ policy
     def _kind(self, func: Any) -> OpKind:
-        kind = self._kinds.get(func)
-        if kind is None:
-            kind = self._kinds[func] = self._b.op_kind(func)
+        kind = self._b.op_kind(func)
+        self._kinds[id(func)] = (func, kind)  # (the op object is held: its id stays its own)
         return kind
 
     def _ask(self, ctx: SelectiveCheckpointContext, func: Any, key: Hashable, args: Tuple[Any, ...],
@@ -279,10 +304,12 @@ class SelectiveRegion:
             return Decision.SAVE if collective else Decision.RECOMPUTE
         ctx.op_output = out
         try:
-            answer = normalize_policy(self.policy_fn(ctx, func, *args, **kwargs), key, self._b.convert_policy)
+            answer = self.policy_fn(ctx, func, *args, **kwargs)
+            if type(answer) is not CheckpointPolicy:  # (a member, the common answer, needs no call)
+                answer = normalize_policy(answer, key, self._b.convert_policy)
             if collective:
                 return collective_decision(answer)
-            return answer.decision
+            return answer._decision
         except Exception as err:
             # The region's caller re-raises this one: an operator such as `a @ b` would otherwise
             # replace a TypeError by its own "unsupported operand" message.

@@ -255,6 +255,7 @@ class TorchBackend(Backend):
         self.accelerator: Optional[torch.device] = acc
         self._dm = torch.get_device_module(acc.type) if acc is not None else None
         self._written: Dict[Any, Tuple[Tuple[int, str], ...]] = {}
+        self._kinds: Dict[Any, OpKind] = {}
 
     # ------------------------------------------------------------------ tensors
     def is_tensor(self, x: Any) -> bool:
@@ -494,6 +495,15 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------------ ops and policies
     def op_kind(self, op: Any) -> OpKind:
+        # Asked once per op and region (every selective region of every step): remembered per op,
+        # whose kind never changes (its schema, namespace and tags are fixed).
+        kind = self._kinds.get(op)
+        if kind is None:
+            kind = self._kinds[op] = self._classify(op)
+        return kind
+
+    @staticmethod
+    def _classify(op: Any) -> OpKind:
         if op in _MACHINERY:
             return OpKind.MACHINERY
         schema = getattr(op, "_schema", None)
