@@ -430,3 +430,47 @@ def test_a_group_whose_last_storage_dies_while_another_thread_holds_the_lock_is_
         holder.join()
     mgr.new_storage("next")
     assert "throwaway" not in mgr.group_names()
+
+
+@pytest.mark.no_sim("checks the PyTorch CPU backend itself")
+def test_discard_group_takes_the_group_of_a_chained_layer_that_died():
+    """Once its layer is gone nothing uses a chain group: ``discard_group`` may drop it (a second
+    model's chain is untouched), as before the refusal of live chain groups."""
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    third, fourth = nn.Linear(4, 4), nn.Linear(4, 4)
+    mgr = SwapManager()
+    mgr.set_forward_prefetch_layer(first, second)
+    mgr.set_forward_prefetch_layer(third, fourth)
+    names = {mgr.layer_group_name(m) for m in (first, second)}
+    del first, second
+    gc.collect()
+    for name in sorted(names):
+        mgr.discard_group(name)
+    assert mgr.group_names() == sorted({mgr.layer_group_name(third), mgr.layer_group_name(fourth)})
+    with pytest.raises(ValueError, match="belongs to the layer chain"):
+        mgr.discard_group(mgr.layer_group_name(third))
+
+
+@pytest.mark.no_sim("checks the PyTorch CPU backend itself")
+def test_making_the_manager_and_chaining_layers_start_no_accelerator_runtime(monkeypatch):
+    """Asking the backend for a stream starts an accelerator's runtime (CUDA's lazy init, Ascend's
+    runtime): the manager, its groups and the chain must not ask before the first forward, since a
+    process may set its device or fork after wrapping its model."""
+    from hyper_parallel.backends.torch.backend import TorchBackend
+    from hyper_parallel.core.activation_checkpoint import wrap_layers
+
+    asked = []
+    real = TorchBackend.current_stream
+    monkeypatch.setattr(TorchBackend, "current_stream", lambda self, device=None: asked.append(1) or real(self, device))
+    mgr = SwapManager()
+    mgr.reset()
+    layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+    wrap_layers(layers, swap=True)
+    mgr.set_current_group_name("mb0")
+    mgr.set_current_group_name(None)
+    mgr.set_host_memory_limit(1 << 20)
+    assert asked == []
+    h = torch.randn(2, 4, requires_grad=True)
+    for layer in layers:
+        h = layer(h)
+    assert asked  # the first forward asks (once the device is set)

@@ -154,6 +154,10 @@ class LayerChain:
         link = self._links.get(layer)
         return link.name if link is not None else None
 
+    def uses(self, group_name: str) -> bool:
+        """Whether a live chained layer has the group ``group_name``."""
+        return any(link.name == group_name for link in self._links.values())
+
     def _link_of(self, layer: Any) -> _Link:
         link = self._links.get(layer)
         if link is None:

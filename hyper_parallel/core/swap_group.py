@@ -99,7 +99,6 @@ class SwapGroup:
         #: set once the manager has forgotten this group (its tensors are not loaded on use any more)
         self.retired = False
         self._b = backend
-        self._overlap = backend.current_stream() is not None  # (copies are not synchronous)
         self.stats = stats
         self._pool = pool  # the host buffers of bucketed copies (a solo takes its own in SwapTensor)
         #: cap of one bucket of small storages (``core/swap_bucket.py``), set by the manager; 0:
@@ -255,7 +254,7 @@ class SwapGroup:
         left in flight. ``runs`` as for ``_launch_offload`` (default: the whole group). With
         bucketing on, the launch and the wait themselves. Only valid without streams (a host
         buffer is reused, and a source dropped, as soon as its copy call returns)."""
-        if self._overlap:
+        if self._b.current_stream() is not None:
             raise RuntimeError(f"swap group '{self.name}': offload_synchronously needs a backend without streams "
                                "(copies are synchronous); use launch_offload and wait_offload.")
         if runs is None:
@@ -471,6 +470,9 @@ class SwapGroup:
     def _load_bucket_now(self, t: SwapTensor) -> None:
         """:meth:`load_now` of a bucket member: the bucket's one copy brings its siblings too."""
         p = self._b
+        if p.current_stream() is not None:  # (load_now is the load on use of the CPU schedule only)
+            raise RuntimeError(f"swap group '{self.name}': load_now needs a backend without streams (copies are "
+                               "synchronous); use launch_load and wait_load.")
         device, copy_stream = t.device, None  # (copies are synchronous: no copy stream)
         with p.trace_range(self._ranges["launch_load"]):
             allocated = self._allocate(self._with_siblings([t]))

@@ -63,9 +63,10 @@ class SwapManager:
     If nothing ever launches an offload, swapped tensors simply stay on the device (= SAVE).
 
     Thread safety: module and autograd hooks may call in from several threads (autograd runs one
-    thread per device); every public method holds the manager's re-entrant lock. Finalizers (a
-    region's graph dying, in any thread) never wait for it: what they would do is deferred to the
-    next call that holds it.
+    thread per device); every public method holds the manager's re-entrant lock, and so do the
+    layer chain's hooks and the loads on use. Finalizers (a region's graph dying, in any thread)
+    never wait for it: what they would do is deferred to the next public call that takes it
+    (``new_storage``, run by every region, for instance).
 
     Example (atomic API on one micro-batch)::
 
@@ -102,7 +103,10 @@ class SwapManager:
         self._locked = _Locked(self)
         self._deferred: List[str] = []  # groups whose last storage died while the lock was held
         self.backend: Backend = active_backend()
-        self._overlap = self.backend.current_stream() is not None  # (copies_overlap, asked per layer)
+        # copies_overlap(), asked once (per layer it would cost calls), on first use: asking the
+        # backend for a stream starts an accelerator's runtime, which the manager's creation must not
+        # (a process sets its device, or forks, after wrapping its model).
+        self._overlap: Optional[bool] = None
         self._groups: Dict[str, SwapGroup] = {}
         self._retired: "OrderedDict[str, None]" = OrderedDict()
         self._stats: Dict[str, GroupStats] = {}
@@ -175,8 +179,8 @@ class SwapManager:
 
     def _forget_later(self, name: str) -> None:
         """Finalizer of a storage: :meth:`_forget_if_empty` now if the lock is free (or held by
-        this thread), else at the next call that takes it (a finalizer must never block: the
-        thread holding the lock may be waiting for this one's)."""
+        this thread), else at the next public call that takes it through ``_locked`` (a finalizer
+        must never block: the thread holding the lock may be waiting for this one's)."""
         if self.lock.acquire(blocking=False):
             try:
                 self._forget_if_empty(name)
@@ -254,11 +258,11 @@ class SwapManager:
         """Forget group ``group_name`` without moving anything (no-op if unknown): storages of it
         that are still alive stay where they are and give their host buffers back when they die.
         Used to clean up after an aborted step so the name is free for the next one. A group of
-        the layer chain cannot be discarded (its layers keep using it): :meth:`reset` drops the
-        chain with every group."""
+        the layer chain cannot be discarded while its layer is alive (its hooks keep using it):
+        :meth:`reset` drops the chain with every group."""
         with self._locked:
             group = self._groups.get(group_name)
-            if group is not None and group.persistent:
+            if group is not None and group.persistent and self._chain.uses(group_name):
                 raise ValueError(
                     f"discard_group({group_name!r}): the group belongs to the layer chain "
                     "(set_forward_prefetch_layer / wrap_layers), whose hooks keep using it in forward and "
@@ -362,7 +366,9 @@ class SwapManager:
 
     def copies_overlap(self) -> bool:
         """Whether copies run on a copy stream, overlapping compute (an accelerator); on a CPU
-        build they are synchronous. (A property of the backend, read when the manager binds it.)"""
+        build they are synchronous. (A property of the backend: asked once, on first use.)"""
+        if self._overlap is None:
+            self._overlap = self.backend.current_stream() is not None
         return self._overlap
 
     def set_prefetch_budget(self, nbytes: Optional[int]) -> None:
@@ -440,7 +446,10 @@ class SwapManager:
     def _waits_offload_at_once(self) -> bool:
         """Whether the layer chain waits a layer's offload right after launching it: only where
         copies are synchronous and the (default) budget loads on demand."""
-        if self._overlap:
+        overlap = self._overlap
+        if overlap is None:
+            overlap = self.copies_overlap()
+        if overlap:
             return False
         budget = self._prefetch_budget  # (prefetch_budget(), inline)
         return budget is _AUTO or budget == 0
@@ -531,6 +540,6 @@ class SwapManager:
             self._forward_records = []
             # The backend is read again: a test or tool may have switched it (core.backend.use_backend).
             self.backend = active_backend()
-            self._overlap = self.backend.current_stream() is not None
+            self._overlap = None
             self._pool = HostBufferPool(self.backend)  # the host limit goes back to "none" too
             self._bucket_bytes = 0
