@@ -382,6 +382,35 @@ def test_policy_deciding_differently_in_recompute_is_runtime_error():
     assert "aten.mm.default" in msg and "SAVE" in msg and "RECOMPUTE" in msg, msg
 
 
+def test_an_op_that_runs_in_recompute_but_not_in_forward_is_runtime_error():
+    """Control flow that changed between forward and recompute (a global flag here): the extra op
+    is named with its call number, and the region's ops must be the same in both."""
+    x, w1, _ = make_params()
+    extra = {"on": False}
+
+    def changing(a, w):
+        y = torch.mm(a, w)
+        if extra["on"]:
+            y = torch.tanh(y)
+        return y.sin()
+
+    out = checkpoint(changing, x, w1, policy_fn=policy_for_matmuls(CheckpointPolicy.MUST_SAVE))
+    extra["on"] = True
+    with pytest.raises(RuntimeError, match=r"op aten\.tanh\.default \(call #0\) ran during recomputation but "
+                                           r"not in forward"):
+        out.sum().backward()
+
+
+def test_op_log_counts_the_calls_of_an_op_forward_never_ran():
+    from hyper_parallel.core.selective import OpLog
+
+    log = OpLog()
+    log.start_replay()
+    for n in range(2):
+        with pytest.raises(RuntimeError, match=rf"op u \(call #{n}\) ran during recomputation"):
+            log.next_call("u", "u")
+
+
 def test_policy_switching_between_save_and_swap_is_runtime_error():
     x, w1, w2 = make_params()
 

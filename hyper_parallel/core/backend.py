@@ -99,6 +99,9 @@ class Backend(abc.ABC):
     #: (``checkpoint_exclude_wrapper``; needs :meth:`recomputed_leaf` and the frames that
     #: :meth:`run_checkpoint` marks).
     exclusion_supported: bool = False
+    #: Whether the op objects a dispatch mode receives live as long as the process (one object per
+    #: op, as PyTorch's ``OpOverload``): a selective region then remembers each op's kind per object.
+    persistent_ops: bool = False
 
     # ------------------------------------------------------------------ tensors: identity, layout
     @abc.abstractmethod

@@ -62,6 +62,7 @@ _DECISION = {
 }
 # Each member carries its decision: a selective region reads it per op, and an attribute is cheaper
 # than a dict lookup keyed by an enum member (whose hash is a Python function).
+assert set(_DECISION) == set(CheckpointPolicy), "every CheckpointPolicy member needs its Decision"
 for _member, _action in _DECISION.items():
     _member._decision = _action
 del _member, _action

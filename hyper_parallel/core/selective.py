@@ -86,11 +86,11 @@ class OpLog:
         """The record of the next call of ``key`` in this replay: ``(index, kept, ask_policy,
         calls)``; ``calls`` goes back to :meth:`check` and :meth:`consume`."""
         calls = self._calls.get(key)
-        index = 0
-        if calls is not None:
-            index = calls.replayed
-            calls.replayed += 1
-        if calls is None or index >= len(calls.kept):
+        if calls is None:  # (never ran in forward: counted all the same, for the error below)
+            calls = self._calls[key] = _Calls()
+        index = calls.replayed
+        calls.replayed += 1
+        if index >= len(calls.kept):
             raise RuntimeError(
                 f"selective checkpoint: op {op_label} (call #{index}) ran during recomputation but not in "
                 "forward. The region must run the same ops in forward and recompute; check for "
@@ -295,7 +295,8 @@ class SelectiveRegion:
     # ------------------------------------------------------------------ policy
     def _kind(self, func: Any) -> OpKind:
         kind = self._b.op_kind(func)
-        self._kinds[id(func)] = (func, kind)  # (the op object is held: its id stays its own)
+        if self._b.persistent_ops:  # (elsewhere a new op object per call: nothing to remember)
+            self._kinds[id(func)] = (func, kind)  # (the op object is held: its id stays its own)
         return kind
 
     def _ask(self, ctx: SelectiveCheckpointContext, func: Any, key: Hashable, args: Tuple[Any, ...],

@@ -450,7 +450,9 @@ class SwapGroup:
         ``SwapTensor.load_on_use`` of the tensors it offloads on CPU), called when autograd
         unpacks ``t``. The same transitions as ``launch_load`` + ``wait_load``, without their
         bookkeeping of a whole group, under the manager's lock; nothing once the manager has
-        forgotten this group (``retired``: the tensor then says which group to load)."""
+        forgotten this group (``retired``: the tensor then says which group to load). Only for a
+        backend without streams: the layer chain binds it only where copies are synchronous
+        (``SwapManager._waits_offload_at_once``)."""
         with self._lock:
             if self.retired or t.state is not TensorState.HOST:
                 return
@@ -470,9 +472,6 @@ class SwapGroup:
     def _load_bucket_now(self, t: SwapTensor) -> None:
         """:meth:`load_now` of a bucket member: the bucket's one copy brings its siblings too."""
         p = self._b
-        if p.current_stream() is not None:  # (load_now is the load on use of the CPU schedule only)
-            raise RuntimeError(f"swap group '{self.name}': load_now needs a backend without streams (copies are "
-                               "synchronous); use launch_load and wait_load.")
         device, copy_stream = t.device, None  # (copies are synchronous: no copy stream)
         with p.trace_range(self._ranges["launch_load"]):
             allocated = self._allocate(self._with_siblings([t]))

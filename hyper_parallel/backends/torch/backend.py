@@ -249,6 +249,7 @@ class TorchBackend(Backend):
     op_list_entries = "OpOverloads"
     recompute_sessions = True
     exclusion_supported = True
+    persistent_ops = True  # torch.ops.aten.mm.default and the rest are process-wide singletons
 
     def __init__(self) -> None:
         acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
