@@ -25,6 +25,7 @@ step of each per round, the order reversed every other round) with medians:
 
 Columns: tensors and bytes copied out / back per step (ours: storages whose offload started,
 counted in an untimed step, and ``SwapManager().stats()`` bytes; peers: their hooks' counters),
+``fwd ms`` / ``bwd ms`` = the medians of the forward and of the backward part of the timed steps,
 ``copies back`` = the host-to-device copies ours issued (one per bucket of small storages, or per
 storage: ``SwapManager().set_bucket_bytes``), ``us/tensor`` = (median - none's) / tensors out,
 ``py calls`` / ``C calls`` = the calls of Python / C functions the interpreter made in the forward
@@ -90,18 +91,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                        rounds=args.rounds, warmup=args.warmup, seed=args.seed)
     rows, base = out["results"], out["results"]["none"]["median_s"]
     print(report.table(
-        ["variant", "who", "median ms", "min ms", "vs none", "tensors out", "KiB out", "KiB back", "copies back",
-         "us/tensor", "py calls", "C calls", "grads = none"],
+        ["variant", "who", "median ms", "min ms", "fwd ms", "bwd ms", "vs none", "tensors out", "KiB out", "KiB back",
+         "copies back", "us/tensor", "py calls", "C calls", "grads = none"],
         [[n, r["who"], fmt(r["median_s"] * 1e3, "%.2f"), fmt(r["min_s"] * 1e3, "%.2f"),
+          fmt(r["forward_median_s"] * 1e3, "%.2f"), fmt(r["backward_median_s"] * 1e3, "%.2f"),
           fmt(report.ratio(r["median_s"], base), "%.2fx"), r["moved"]["tensors"],
           "%.1f" % (r["moved"]["d2h"] / 1024), "%.1f" % (r["moved"]["h2d"] / 1024),
           "-" if r["moved"]["copies_back"] is None else r["moved"]["copies_back"],
           fmt(r["us_per_tensor_vs_none"], "%.1f"), r["calls"]["python"], r["calls"]["builtin"],
           "yes" if r["grads_equal_to_none"] else "NO"]
-         for n, r in rows.items()], align="ll" + "r" * 11))
+         for n, r in rows.items()], align="ll" + "r" * 13))
     print(report.legend([(n, r["what"]) for n, r in rows.items()]))
     print("copies back = host-to-device copies ours issued per step (one per bucket of small storages, "
           "or per storage; SwapManager().set_bucket_bytes); '-': a peer, one per tensor back")
+    print("fwd ms / bwd ms = medians of the forward and of the backward part of the timed steps")
     print("us/tensor = (median - none's median) / tensors copied out per step")
     print("py calls / C calls = calls of Python functions / of C functions (named tensor functions and methods "
           "included) in the forward + backward of one untimed step (sys.setprofile): the interpreter work, independent "

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import functools
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -34,7 +35,7 @@ from hyper_parallel.bench.modes import (
     sac_host_copy_contexts,
 )
 from hyper_parallel.bench.floor_hooks import FloorSwapLayer
-from hyper_parallel.bench.timing import interleaved, median, synchronize, timed
+from hyper_parallel.bench.timing import interleaved, median, synchronize
 
 __all__ = [
     "SmallOpsNet", "SMALL_OPS", "OverheadVariant", "OVERHEAD_VARIANTS", "OVERHEAD_PAIRS", "counting_offloads",
@@ -338,10 +339,14 @@ def run_overhead(names: Sequence[str], *, blocks: int, dim: int, hidden: int, ba
         loss.backward()
         return loss
 
-    def step(n: str) -> float:
+    def step(n: str) -> Tuple[float, float]:
+        """``(seconds of forward + backward, seconds of the forward)`` (CPU: nothing to synchronise)."""
         zero_grads(n)
-        _, dt = timed(functools.partial(fwd_bwd, n))
-        return dt
+        t0 = time.perf_counter()
+        loss = models[n](x)
+        t1 = time.perf_counter()
+        loss.backward()
+        return time.perf_counter() - t0, t1 - t0
 
     for _ in range(warmup):
         for n in names:
@@ -377,12 +382,16 @@ def run_overhead(names: Sequence[str], *, blocks: int, dim: int, hidden: int, ba
             with counting_calls() as calls:
                 fwd_bwd(n)
         rows[n] = {"who": OVERHEAD_VARIANTS[n].who, "what": OVERHEAD_VARIANTS[n].what, "moved": moved,
-                   "calls": calls, "grads_equal_to_none": equal, "times_s": []}
+                   "calls": calls, "grads_equal_to_none": equal, "times_s": [], "forward_s": []}
     for _, n in interleaved(names, rounds):
-        rows[n]["times_s"].append(step(n))
+        total, forward = step(n)
+        rows[n]["times_s"].append(total)
+        rows[n]["forward_s"].append(forward)
     for n, r in rows.items():
         r["median_s"] = median(r["times_s"])
         r["min_s"] = min(r["times_s"]) if r["times_s"] else None
+        r["forward_median_s"] = median(r["forward_s"])
+        r["backward_median_s"] = median([t - f for t, f in zip(r["times_s"], r["forward_s"])])
     t_none = rows["none"]["median_s"]
     for n, r in rows.items():
         k = r["moved"]["tensors"]
