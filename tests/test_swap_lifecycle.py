@@ -461,7 +461,8 @@ def test_making_the_manager_and_chaining_layers_start_no_accelerator_runtime(mon
 
     asked = []
     real = TorchBackend.current_stream
-    monkeypatch.setattr(TorchBackend, "current_stream", lambda self, device=None: asked.append(1) or real(self, device))
+    monkeypatch.setattr(TorchBackend, "current_stream",
+                        lambda self, device=None: asked.append(1) or real(self, device))
     mgr = SwapManager()
     mgr.reset()
     layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))

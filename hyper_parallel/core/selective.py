@@ -14,7 +14,8 @@ from collections import defaultdict
 from typing import Any, Callable, DefaultDict, Dict, Hashable, List, Optional, Set, Tuple
 
 from .backend import Backend, OpKind
-from .policy import CheckpointPolicy, Decision, SelectiveCheckpointContext, collective_decision, normalize_policy
+from .policy import (CheckpointPolicy, Decision, SelectiveCheckpointContext, collective_decision,
+                     normalize_policy)
 from .saved import Saved
 from .storage import Storage
 from .swap_tensor import SwapView

@@ -13,8 +13,8 @@ try:
 except ImportError:  # a build without torch.distributed
     _FSDPModule = None
 
-__all__ = ["storage_key", "storage_keys", "version", "storage_use_count", "in_backward", "detach_keeping_version", "pipeline_stages",
-           "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class", "innermost_saved_tensors_hooks",
+__all__ = ["storage_key", "storage_keys", "version", "storage_use_count", "in_backward", "detach_keeping_version",
+           "pipeline_stages", "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class", "innermost_saved_tensors_hooks",
            "functional_collective", "is_compiled_module",
            "pinned_alloc_size", "empty_host_cache", "saved_identity", "saved_storage_state"]
 
