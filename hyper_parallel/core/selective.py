@@ -223,7 +223,7 @@ class SelectiveRegion:
             if decision is not Decision.RECOMPUTE and not b.rng_equal(before, after):
                 self._rng_after[(key, index)] = after
             return out
-        out = func(*args, **kwargs) if kwargs else func(*args)  # (_run, inline: the common path)
+        out = _run(func, args, kwargs)
         decision = self._ask(self._ctx_forward, func, key, args, kwargs, out)
         if decision is not Decision.RECOMPUTE and b.cannot_hand_back(func, args):
             # The answer is recorded (and checked again in recompute) but nothing is kept: the op
@@ -286,7 +286,7 @@ class SelectiveRegion:
         b = self._b
         written = b.written_tensors(func, args, kwargs)
         if not written:
-            return func(*args, **kwargs) if kwargs else func(*args)  # (_run, inline: the common path)
+            return _run(func, args, kwargs)
         outside = {id(t): b.clone(t) for t in written if b.storage_id(t) not in self._replayed}
         if outside:
             swap = lambda x: outside.get(id(x), x)  # noqa: E731

@@ -446,10 +446,7 @@ class SwapManager:
     def _waits_offload_at_once(self) -> bool:
         """Whether the layer chain waits a layer's offload right after launching it: only where
         copies are synchronous and the (default) budget loads on demand."""
-        overlap = self._overlap
-        if overlap is None:
-            overlap = self.copies_overlap()
-        if overlap:
+        if self.copies_overlap():
             return False
         budget = self._prefetch_budget  # (prefetch_budget(), inline)
         return budget is _AUTO or budget == 0

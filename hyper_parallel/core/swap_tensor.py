@@ -113,8 +113,7 @@ class SwapTensor:
         """Skipped by exactly one earlier launch because it was held elsewhere: worth one more
         try (a layer input is free once the caller moved on); a storage that was still held at
         the second try (a mask every layer uses) is not retried again by the layer chain."""
-        return (self.shared_skips == 1 and self.state is TensorState.DEVICE and self.kept_reason is None
-                and self._aliases is not None)  # (unmoved, inline)
+        return self.unmoved and self.shared_skips == 1
 
     @property
     def resident_candidate(self) -> bool:
@@ -196,7 +195,7 @@ class SwapTensor:
     # ----------------------------------------------------------------- offload
     def offload_reason(self) -> Optional[KeepReason]:
         """``None`` when this storage can be offloaded now, else why it stays on the device (kept
-        for good, except ``SHARED``: see :meth:`_blocked`)."""
+        for good, except ``SHARED``: see below)."""
         if self.state is not TensorState.DEVICE:
             raise RuntimeError(f"swap group '{self.group_name}': offload of a tensor in state "
                                f"'{self.state.value}'; only tensors on the device can be offloaded.")
@@ -205,10 +204,8 @@ class SwapTensor:
         if self._aliases is None:  # reloaded earlier in this step: a second offload is a new save
             return self.keep(KeepReason.RELOADED)
         blocker = self._b.offload_blocker(self._aliases, self._versions)
-        return None if blocker is None else self._blocked(blocker)
-
-    def _blocked(self, blocker: KeepReason) -> KeepReason:
-        """An offload found ``blocker`` (``Backend.offload_blocker``) in the way."""
+        if blocker is None:
+            return None
         if blocker is KeepReason.SHARED:
             # Somebody else (the caller still holding a layer's input, a shared mask...) holds
             # this storage: copying it now would free nothing, so skip the bandwidth. Unlike the
@@ -237,17 +234,14 @@ class SwapTensor:
         holds it), else why the storage stays (``HOST_LIMIT``: ``pool`` is at its cap). If the
         copy raises, nothing changes (the buffer goes back to ``pool``). One call per storage
         instead of the four, on the CPU schedule's path."""
-        aliases = self._aliases
-        if self.state is not TensorState.DEVICE or self.kept_reason is not None or aliases is None:
-            return self.offload_reason()  # (its error, or why it stays)
-        blocker = self._b.offload_blocker(aliases, self._versions)
-        if blocker is not None:
-            return self._blocked(blocker)
+        reason = self.offload_reason()
+        if reason is not None:
+            return reason
         host = pool.acquire(self.nbytes, None)
         if host is None:
             return self.keep(KeepReason.HOST_LIMIT)
         try:
-            self._b.copy_bytes(host, aliases[0])
+            self._b.copy_bytes(host, self._aliases[0])
         except BaseException:
             pool.release(host, self.nbytes, None)
             raise
@@ -327,8 +321,7 @@ class SwapTensor:
                 f"'{self.state.value}'{' (in a bucket)' if self.bucket is not None else ''}; only a "
                 "storage of its own on the host can be loaded this way.")
         self._dev = self._block = self._b.load_bytes(self._host, self.nbytes, self._metas[0])
-        self._pool.release(self._host, self.nbytes, None)  # the copy is done: nothing guards the buffer
-        self._host = None
+        self._release_host(None)  # the copy is done: nothing guards the buffer
         self.state = TensorState.DEVICE
         # (no _drop_if_unused: a saved tensor being read is what asked for this load)
 
@@ -441,8 +434,7 @@ class SwapView:
         try:
             st = self._swap_tensor
             st._views -= 1
-            if not st._views and st.state is TensorState.DEVICE:  # (_drop_if_unused, inline)
-                st._dev = st._block = st._aliases = None
-                st.released = True
+            if not st._views:
+                st._drop_if_unused()
         except Exception:  # interpreter shutdown
             pass

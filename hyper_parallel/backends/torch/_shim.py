@@ -70,12 +70,7 @@ def detach_keeping_version(x: torch.Tensor) -> torch.Tensor:
 def saved_identity(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
     """``(detach_keeping_version(x), that alias's version now, storage_key(x), x's storage
     bytes)``: the private reads the swap path makes for every saved tensor, in one call."""
-    # (detach_keeping_version, inline: this runs for every saved tensor)
-    if not torch._C._dispatch_tls_is_dispatch_key_excluded(_AD_INPLACE_OR_VIEW):
-        alias = x.detach()
-    else:
-        with torch._C._SetExcludeDispatchKeyGuard(_AD_INPLACE_OR_VIEW, False):
-            alias = x.detach()
+    alias = detach_keeping_version(x)
     storage = x.untyped_storage()
     return alias, alias._version, storage._cdata, storage.nbytes()
 
@@ -89,8 +84,7 @@ def saved_storage_state(aliases: Sequence[torch.Tensor], versions: Sequence[int]
         if alias._version != saved:
             changed = True
             break
-    # (storage_use_count, inline: this runs for every storage an offload considers)
-    return changed, torch._C._storage_Use_Count(aliases[0].untyped_storage()._cdata) - 1
+    return changed, storage_use_count(aliases[0].untyped_storage()) - 1
 
 
 def pipeline_stages(schedule: Any) -> List[Any]:

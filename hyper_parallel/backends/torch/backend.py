@@ -308,8 +308,7 @@ class TorchBackend(Backend):
     def saved_facts(self, t: torch.Tensor, param_keys: Any) -> SavedFacts:
         # The composition of Backend.saved_facts in one call and one shim call: it runs for every
         # tensor autograd saves in a swap region, and each primitive call costs more than its work.
-        if (type(t) not in _PLAIN_TENSOR_TYPES or t.layout is not _STRIDED or t.is_nested or t.is_meta
-                or t.is_conj() or t.is_neg()):  # (not_byte_copyable, inline)
+        if not_byte_copyable(t):
             alias = _shim.detach_keeping_version(t)
             return _new_tuple(SavedFacts, (KeepReason.UNSUPPORTED_TENSOR, alias, _shim.version(alias), None, 0,
                                            None, None, None))
