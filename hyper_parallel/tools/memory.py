@@ -571,7 +571,7 @@ class MemoryMeter:
         if self._scan_gc:
             _register_gc_tensors(tracker)
         tracker.reset_peak()
-        self._baseline = self._peak = self._current = tracker.current
+        self._baseline = self._peak = self._current = self._folded_peak = tracker.current
         # Make the tracker reachable by mark_host / resize_ before any op can run.
         _ACTIVE_CPU_TRACKERS.add(tracker)
         _install_resize_hook()
@@ -585,7 +585,7 @@ class MemoryMeter:
         try:
             mode.__exit__(*exc)
         finally:
-            self._peak = tracker.peak
+            self._peak = max(self._folded_peak, tracker.peak)
             self._current = tracker.current
             tracker.close()
             _ACTIVE_CPU_TRACKERS.discard(tracker)
@@ -628,7 +628,7 @@ class MemoryMeter:
         """Highest live device bytes seen in the region so far (baseline included)."""
         if self._active:
             if self._tracker is not None:
-                return self._tracker.peak
+                return max(self._folded_peak, self._tracker.peak)
             if self._stats is not None:
                 return max(self._folded_peak, self._stats.max_allocated())
         return self._peak
@@ -642,6 +642,37 @@ class MemoryMeter:
             if self._stats is not None:
                 return self._stats.allocated()
         return self._current
+
+    def reset_peak(self) -> int:
+        """Return the highest live device bytes since the meter was entered (or since the last
+        ``reset_peak``) and start a new window at the bytes live now; :attr:`peak_bytes` keeps
+        reporting the whole region's peak. Splits one region into phases (a memory planner marks
+        every layer's forward and backward this way).
+
+        Example::
+
+            >>> import torch
+            >>> from hyper_parallel.tools.memory import MemoryMeter
+            >>> with MemoryMeter("cpu", scan_gc=False) as m:
+            ...     big = torch.empty(1 << 20); del big     # 4 MiB, gone again
+            ...     first = m.reset_peak()
+            ...     small = torch.empty(1 << 10)            # 4 KiB
+            ...     second = m.reset_peak()
+            >>> first - m.baseline_bytes, second - m.baseline_bytes, m.peak_above_baseline
+            (4194304, 4096, 4194304)
+        """
+        if not self._active:
+            raise RuntimeError("MemoryMeter.reset_peak() is only valid inside the meter's region")
+        if self._tracker is not None:
+            peak = self._tracker.peak
+            self._tracker.reset_peak()
+        else:
+            assert self._stats is not None
+            self._stats.synchronize()
+            peak = self._stats.max_allocated()
+            self._stats.reset_peak()
+        self._folded_peak = max(self._folded_peak, peak)
+        return peak
 
     @property
     def peak_above_baseline(self) -> int:

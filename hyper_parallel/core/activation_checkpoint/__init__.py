@@ -40,9 +40,11 @@ def selected_platform() -> str:
 if selected_platform() == "mindspore":
     from hyper_parallel.backends.mindspore.backend import MindSporeBackend as _SelectedBackend
     from hyper_parallel.backends.mindspore.backend import pipeline_recompute, pipeline_swap
+    _SelectedProber = None  # the planner's MindSpore part: not yet
 else:
     from hyper_parallel.backends.torch.backend import TorchBackend as _SelectedBackend
     from hyper_parallel.backends.torch.pipeline import pipeline_recompute, pipeline_swap
+    from hyper_parallel.planner.torch_prober import TorchProber as _SelectedProber
 
 set_backend(_SelectedBackend())
 
@@ -53,6 +55,10 @@ from hyper_parallel.core.region import checkpoint, create_selective_checkpoint_c
 from hyper_parallel.core.swap_manager import SwapManager  # noqa: E402
 from hyper_parallel.core.wrapping import (checkpoint_exclude_wrapper, checkpoint_wrapper,  # noqa: E402
                                           swap_wrapper, wrap_layers)
+from hyper_parallel.planner import MemoryPlan, plan_memory, set_prober  # noqa: E402
+
+if _SelectedProber is not None:
+    set_prober(_SelectedProber())
 
 __all__ = [
     "CheckpointPolicy",
@@ -70,4 +76,6 @@ __all__ = [
     "RecomputeSession",
     "keep_collectives",
     "selected_platform",
+    "plan_memory",
+    "MemoryPlan",
 ]

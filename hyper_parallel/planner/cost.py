@@ -1,0 +1,105 @@
+"""The cost model: a plan's predicted peak and step time from a profile and its options' effects.
+
+Peak. The profile's timeline (:class:`~hyper_parallel.planner.profile.Segment` s of the step with
+every layer left as it is) is the reference. Wrapping layer ``i`` with an option changes the bytes
+live during every segment by its :class:`~hyper_parallel.planner.profile.Effect` for the relation
+between layer ``i`` and that segment (:func:`relation`): its own forward, the next layer's forward
+(on an accelerator its offload is still in flight then; on a CPU its input is still held), a later
+forward or the loss head, the backward of the layer after it (its prefetch), its own backward, or
+a segment after its backward. Effects add up over layers, so a segment's bytes under a plan are
+its reference peak plus the effects of every layer, and the plan's peak is the largest of them.
+Parameters, gradients, inputs and the loss head are in the reference: every plan pays them.
+
+Time. The reference step time plus each layer's effect in seconds (its recompute, the part of its
+copies that does not overlap compute, the engine's bookkeeping), as the probes measured it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from .profile import Effect, Segment, StepProfile
+
+__all__ = ["relation", "Prediction", "predict", "segment_bytes"]
+
+
+def relation(i: int, segment: Segment, layers: int) -> Optional[Tuple[Tuple[str, int], ...]]:
+    """How layer ``i`` (of ``layers``) stands to ``segment``: the relations whose effects add up
+    there, with their signs (``None``: the segment is before the layer ran)."""
+    kind, j = segment.kind, segment.layer
+    last = i == layers - 1
+    if kind == "pre":
+        return None
+    if kind == "fwd":
+        if j < i:
+            return None
+        if j == i:
+            return (("last_fwd" if last else "own_fwd", 1),)
+        return (("fwd_age1" if j == i + 1 else "old", 1),)
+    if kind == "gap":
+        if j < i:
+            return None
+        if j == i:
+            return (("last_head" if last else "own_gap", 1),)
+        # The layer chain retries a layer's skipped input when the layer after next ends; after
+        # the last layer nothing does, so the second to last keeps the state of the next layer's
+        # forward from then on.
+        return (("fwd_age1" if j == layers - 1 and i == layers - 2 else "old", 1),)
+    # kind == "bwd"
+    if j == i:
+        if last:
+            return (("last_bwd", 1),)
+        if i == layers - 2:  # its input was never retried (see above): still on the device
+            return (("own_bwd", 1), ("fwd_age1", 1), ("old", -1))
+        return (("own_bwd", 1),)
+    if j < i:
+        return (("after", 1),)
+    return (("bwd_prev" if j == i + 1 else "old", 1),)
+
+
+def segment_bytes(segment: Segment, effects: Sequence[Effect]) -> int:
+    """The predicted peak of ``segment`` when layer ``i`` has ``effects[i]``."""
+    total = segment.peak
+    n = len(effects)
+    for i, effect in enumerate(effects):
+        rel = relation(i, segment, n)
+        if rel is not None:
+            total += sum(sign * effect.bytes[name] for name, sign in rel)
+    return total
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A plan's predicted ``peak_bytes`` (at segment ``where``) and ``step_s``."""
+
+    peak_bytes: int
+    where: str
+    step_s: float
+
+
+def predict(profile: StepProfile, effects: Sequence[Effect]) -> Prediction:
+    """The predicted peak and time of the plan giving layer ``i`` the option with ``effects[i]``."""
+    if len(effects) != len(profile.layers):
+        raise ValueError(f"predict: {len(effects)} effects for {len(profile.layers)} layers")
+    peak, where = -1, ""
+    for segment in profile.segments:
+        value = segment_bytes(segment, effects)
+        if value > peak:
+            peak, where = value, segment.name
+    return Prediction(int(peak), where, profile.step_s + sum(e.seconds for e in effects))
+
+
+def breakdown(profile: StepProfile, effects: Sequence[Effect], where: str) -> List[Tuple[str, int]]:
+    """What the bytes of segment ``where`` are made of, for messages: live at the step's start
+    (of which parameters), gradients, and the rest (activations and the running layer's work)."""
+    segment = next(s for s in profile.segments if s.name == where)
+    total = segment_bytes(segment, effects)
+    grads = profile.grad_bytes if segment.kind == "bwd" else 0
+    start = profile.baseline_bytes
+    return [("parameters", profile.param_bytes),
+            ("other memory live at the start of the step (inputs, optimizer state, ...)",
+             max(0, start - profile.param_bytes)),
+            ("parameter gradients (allocated in backward)", grads),
+            ("activations kept for backward and the running layer's working set",
+             max(0, total - start - grads))]

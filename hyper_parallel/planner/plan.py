@@ -1,0 +1,222 @@
+"""``MemoryPlan``: what the planner chose for every layer, what it predicts, and how to apply it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+from hyper_parallel.core.swap_manager import SwapManager
+
+from .budget import format_bytes
+from .options import LayerOption, OpKey
+
+__all__ = ["MemoryPlan", "LayerChoice", "PLAN_FORMAT"]
+
+PLAN_FORMAT = "hyper_parallel.memory_plan/1"
+
+
+@dataclass
+class LayerChoice:
+    """One layer's part of a plan: its option and what the profile says it keeps, swaps and
+    recomputes (bytes of what autograd saved in its forward)."""
+
+    index: int
+    type_key: str
+    option: LayerOption
+    kept_bytes: int
+    swapped_bytes: int
+    recomputed_bytes: int
+    seconds: float  # predicted cost against leaving the layer as it is
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"index": self.index, "type": self.type_key, "option": self.option.to_json(),
+                "kept_bytes": self.kept_bytes, "swapped_bytes": self.swapped_bytes,
+                "recomputed_bytes": self.recomputed_bytes, "seconds": self.seconds}
+
+    @staticmethod
+    def from_json(value: Dict[str, Any]) -> "LayerChoice":
+        return LayerChoice(int(value["index"]), str(value["type"]), LayerOption.from_json(value["option"]),
+                           int(value["kept_bytes"]), int(value["swapped_bytes"]), int(value["recomputed_bytes"]),
+                           float(value["seconds"]))
+
+
+class MemoryPlan:
+    """The planner's answer for one layer stack and budget (made by ``plan_memory``).
+
+    Attributes:
+        budget_bytes: the budget it was made for.
+        predicted_peak_bytes / predicted_step_s: what the cost model predicts for the step under
+            the plan (``peak_at``: the part of the step where the peak falls).
+        lower_bound_step_s: no mix of the weighed options can be faster within the budget.
+        min_budget_bytes: the smallest peak any plan of these options reaches.
+        reference_peak_bytes / reference_step_s: the step with every layer left as it is.
+        choices: one :class:`LayerChoice` per layer.
+
+    ``apply()`` wraps the layers in place through the public API (``checkpoint_wrapper`` with a
+    generated ``OpTablePolicy``, ``swap_wrapper`` with ``SwapAtLeast``, ``swap_inputs``) and
+    chains them (``SwapManager().set_forward_prefetch_layer``) when any layer swaps; ``report()``
+    says what it does and predicts; ``to_json()`` / :meth:`from_json` store and reload it.
+    """
+
+    def __init__(self, layers: Sequence[Any], choices: List[LayerChoice], seen: Dict[str, List[OpKey]],
+                 prober: Any, *, budget_bytes: int, predicted_peak_bytes: int, peak_at: str,
+                 predicted_step_s: float, lower_bound_step_s: float, min_budget_bytes: int,
+                 reference_peak_bytes: int, reference_step_s: float, device: str, notes: Sequence[str] = (),
+                 probes: int = 0) -> None:
+        if len(choices) != len(layers):
+            raise ValueError(f"MemoryPlan: {len(choices)} layer choices for a stack of {len(layers)} layers")
+        self.layers = layers
+        self.choices = choices
+        self.seen = seen
+        self._prober = prober
+        self.budget_bytes = budget_bytes
+        self.predicted_peak_bytes = predicted_peak_bytes
+        self.peak_at = peak_at
+        self.predicted_step_s = predicted_step_s
+        self.lower_bound_step_s = lower_bound_step_s
+        self.min_budget_bytes = min_budget_bytes
+        self.reference_peak_bytes = reference_peak_bytes
+        self.reference_step_s = reference_step_s
+        self.device = device
+        self.notes = list(notes)
+        self.probes = probes
+        self.applied = False
+        self.policies: List[Any] = []
+
+    # ------------------------------------------------------------------ applying
+    @property
+    def swaps(self) -> bool:
+        return any(c.option.swaps for c in self.choices)
+
+    def apply(self) -> "MemoryPlan":
+        """Wrap every layer as planned (in place) and, when a layer swaps, chain the stack for
+        the layer-by-layer offload and prefetch. Returns the plan. Applying twice, or to layers
+        that are already wrapped, is an error."""
+        if self.applied:
+            raise RuntimeError("MemoryPlan.apply(): this plan was applied already; a layer is wrapped once. Make "
+                               "a new plan (or MemoryPlan.from_json) for another copy of the model.")
+        for choice, layer in zip(self.choices, self.layers):
+            kind = wrapped_kind(layer)
+            if kind is not None:
+                raise ValueError(f"MemoryPlan.apply(): layer {choice.index} ({type(layer).__name__}) is already wrapped "
+                                 f"({kind}); the plan wraps the layers itself. Plan (and apply) on the unwrapped model.")
+        self.applied = True
+        for choice, layer in zip(self.choices, self.layers):
+            self._prober.wrap(layer, choice.option, self.seen.get(choice.type_key, ()))
+        if self.swaps:
+            manager = SwapManager()
+            for first, second in zip(self.layers, list(self.layers)[1:]):
+                manager.set_forward_prefetch_layer(first, second)
+        return self
+
+    # ------------------------------------------------------------------ reading
+    def report(self) -> str:
+        """What the plan does per layer and what it predicts, as text."""
+        lines = [f"memory plan for {len(self.choices)} layers on {self.device}: budget {format_bytes(self.budget_bytes)}",
+                 f"  predicted peak {format_bytes(self.predicted_peak_bytes)} (at {self.peak_at}), "
+                 f"step {self.predicted_step_s * 1e3:.1f} ms; lower bound {self.lower_bound_step_s * 1e3:.1f} ms",
+                 f"  every layer left as it is: peak {format_bytes(self.reference_peak_bytes)}, "
+                 f"step {self.reference_step_s * 1e3:.1f} ms; the smallest reachable peak "
+                 f"{format_bytes(self.min_budget_bytes)}"]
+        rows = [("layer", "option", "kept", "swapped", "recomputed", "cost ms")]
+        for c in self.choices:
+            rows.append((str(c.index), c.option.name(), format_bytes(c.kept_bytes), format_bytes(c.swapped_bytes),
+                         format_bytes(c.recomputed_bytes), f"{c.seconds * 1e3:+.2f}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            lines.append("  " + "  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))))
+        used = sorted({c.option.name(): c.option for c in self.choices}.items())
+        lines.append("  options:")
+        for name, option in used:
+            lines.append(f"    {name}: {self._how(option)}")
+        if self.swaps:
+            lines.append("  the layers are chained (SwapManager().set_forward_prefetch_layer) so that swaps overlap")
+        unseen = sum(getattr(p, "unseen", 0) for p in self.policies)
+        if self.applied and unseen:
+            lines.append(f"  op calls the profile did not see (recomputed, the plan's default): {unseen}")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        return "\n".join(lines)
+
+    @staticmethod
+    def _how(option: LayerOption) -> str:
+        if option.kind == "none":
+            return "no wrapper"
+        if option.kind == "swap":
+            return (f"swap_wrapper(layer, policy_fn=SwapAtLeast({option.swap_min_bytes})): saved tensors of at least "
+                    f"{format_bytes(option.swap_min_bytes)} go to host memory")
+        if not option.keep:
+            return f"checkpoint_wrapper(layer{', swap_inputs=True' if option.swap_inputs else ''}): whole-layer recompute"
+        kept = ", ".join(f"{a} {k}" for k, a in option.keep)
+        return (f"checkpoint_wrapper(layer, policy_fn=OpTablePolicy(...){', swap_inputs=True' if option.swap_inputs else ''}): "
+                f"{kept}; every other op recomputed")
+
+    def __repr__(self) -> str:
+        kinds: Dict[str, int] = {}
+        for c in self.choices:
+            kinds[c.option.name()] = kinds.get(c.option.name(), 0) + 1
+        return (f"MemoryPlan(budget={format_bytes(self.budget_bytes)}, peak={format_bytes(self.predicted_peak_bytes)}, "
+                f"step={self.predicted_step_s * 1e3:.1f} ms, {kinds})")
+
+    # ------------------------------------------------------------------ storing
+    def to_json(self) -> str:
+        """The plan as JSON text (load it with :meth:`from_json`)."""
+        doc = {"format": PLAN_FORMAT, "framework": self._prober.name, "device": self.device,
+               "budget_bytes": self.budget_bytes, "predicted_peak_bytes": self.predicted_peak_bytes,
+               "peak_at": self.peak_at, "predicted_step_s": self.predicted_step_s,
+               "lower_bound_step_s": self.lower_bound_step_s, "min_budget_bytes": self.min_budget_bytes,
+               "reference_peak_bytes": self.reference_peak_bytes, "reference_step_s": self.reference_step_s,
+               "notes": self.notes, "probes": self.probes,
+               "layers": [c.to_json() for c in self.choices],
+               "seen": {k: [key.to_json() for key in keys] for k, keys in sorted(self.seen.items())}}
+        return json.dumps(doc, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, layers: Sequence[Any], prober: Optional[Any] = None) -> "MemoryPlan":
+        """The plan stored by :meth:`to_json`, for ``layers`` (the same stack, or another copy of
+        it). ``prober``: the framework's planner part (default: the active one)."""
+        doc = json.loads(text)
+        if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
+            raise ValueError(f"MemoryPlan.from_json: not a memory plan (expected format {PLAN_FORMAT!r})")
+        prober = prober if prober is not None else active_prober()
+        if doc["framework"] != prober.name:
+            raise ValueError(f"MemoryPlan.from_json: the plan was made on {doc['framework']}, this process runs "
+                             f"{prober.name}")
+        layers = list(layers)
+        choices = [LayerChoice.from_json(c) for c in doc["layers"]]
+        if len(choices) != len(layers):
+            raise ValueError(f"MemoryPlan.from_json: the plan is for {len(choices)} layers, the stack has {len(layers)}")
+        seen = {k: [OpKey.from_json(v) for v in keys] for k, keys in doc["seen"].items()}
+        return cls(layers, choices, seen, prober, budget_bytes=doc["budget_bytes"],
+                   predicted_peak_bytes=doc["predicted_peak_bytes"], peak_at=doc["peak_at"],
+                   predicted_step_s=doc["predicted_step_s"], lower_bound_step_s=doc["lower_bound_step_s"],
+                   min_budget_bytes=doc["min_budget_bytes"], reference_peak_bytes=doc["reference_peak_bytes"],
+                   reference_step_s=doc["reference_step_s"], device=doc["device"], notes=doc.get("notes", ()),
+                   probes=doc.get("probes", 0))
+
+
+# The framework's planner part, bound by the public API module (as the engine's backend is).
+_PROBER: Optional[Any] = None
+
+
+def set_prober(prober: Any) -> None:
+    """Make ``prober`` the framework part plans use (the public API module does this)."""
+    global _PROBER
+    _PROBER = prober
+
+
+def active_prober() -> Any:
+    if _PROBER is None:
+        raise RuntimeError("no planner prober is active: import hyper_parallel.core.activation_checkpoint first "
+                           "(it binds the framework).")
+    return _PROBER
+
+
+def wrapped_kind(layer: Any) -> Optional[str]:
+    """Which of the library's wrappers ``layer`` carries already (``None``: none)."""
+    for cls in type(layer).__mro__:
+        kind = cls.__dict__.get("_hp_kind")
+        if kind is not None:
+            return f"{kind}_wrapper"
+    return None

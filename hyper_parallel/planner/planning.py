@@ -1,0 +1,244 @@
+"""``plan_memory``: profile the step, weigh every layer's options, choose, and say why."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+from . import candidates as cand
+from . import solver
+from .budget import format_bytes, parse_budget
+from .cost import breakdown, predict
+from .options import LayerOption, OpKey
+from .plan import LayerChoice, MemoryPlan, active_prober, wrapped_kind
+from .profile import Effect, LayerType, StepProfile
+
+__all__ = ["plan_memory", "Planner"]
+
+#: At most this many options are probed per layer type while the solution still uses modelled ones.
+_MAX_PROBES = 24
+
+
+class Planner:
+    """The planner's state for one profiled step: its options per layer type, their effects
+    (measured by probes, else modelled), and the solver around them. ``plan_memory`` makes one;
+    it can answer several budgets from one profile (the benchmark does)."""
+
+    def __init__(self, layers: Sequence[Any], profile: StepProfile, prober: Any, resolution: int = 2048) -> None:
+        self.layers = list(layers)
+        self.profile = profile
+        self.prober = prober
+        self.resolution = resolution
+        self.options: Dict[str, List[LayerOption]] = {}
+        self.effects: Dict[Tuple[str, LayerOption], Effect] = {}
+        self.calibration: Dict[str, cand.Calibration] = {}
+        self._references: Dict[str, Any] = {}
+        self.probes = 0
+        self.seen: Dict[str, List[OpKey]] = {}
+        for key, ltype in profile.types.items():
+            times = prober.op_seconds(ltype)
+            for op in ltype.record.ops:
+                op.seconds = times.get(op.key, 0.0) / max(1, sum(1 for o in ltype.record.ops if o.key == op.key))
+            self.seen[key] = sorted({op.key for op in ltype.record.ops})
+            self.options[key] = cand.candidate_options(ltype, profile.overlaps, profile.copy_bytes_per_s)
+            self._calibrate(key, ltype)
+
+    # ------------------------------------------------------------------ effects
+    def _measure(self, key: str, option: LayerOption) -> Effect:
+        found = self.effects.get((key, option))
+        if found is not None and found.measured:
+            return found
+        if option.kind == "none":
+            effect = cand.ZERO
+        else:
+            ltype = self.profile.types[key]
+            effect, self._references[key] = self.prober.probe(ltype, option, self.seen[key], self._references.get(key))
+            self.probes += 1
+            if key in self.calibration:
+                cand.fit(self.calibration[key], option, ltype, effect)
+        self.effects[(key, option)] = effect
+        return effect
+
+    def _calibrate(self, key: str, ltype: LayerType) -> None:
+        options = self.options[key]
+        rec = self._measure(key, options[1])
+        rec_in = self._measure(key, options[2])
+        swap_all = next((o for o in options if o.kind == "swap" and o.label == "swap"), None)
+        swap_effect = self._measure(key, swap_all) if swap_all is not None else None
+        record = ltype.record
+        cal = cand.Calibration(rec, rec_in, swap_effect, self.profile.copy_bytes_per_s, self.profile.overlaps,
+                               record.forward_s, record.backward_s, len(record.ops))
+        if swap_effect is not None and not self.profile.overlaps:
+            moved = [s for s in record.saved_sizes if s >= cand.MIN_SWAP_BYTES]
+            cal.per_tensor_s = max(0.0, (swap_effect.seconds - 2 * cal.copy_s(sum(moved))) / max(1, len(moved)))
+        self.calibration[key] = cal
+
+    def effect(self, key: str, option: LayerOption) -> Effect:
+        """The measured effect of ``option`` on layers of type ``key``, else the modelled one."""
+        found = self.effects.get((key, option))
+        if found is not None:
+            return found
+        return cand.model_effect(option, self.profile.types[key], self.calibration[key])
+
+    def _problem(self, measured_only: bool = False) -> Tuple[solver.Problem, List[List[LayerOption]]]:
+        per_layer: List[List[LayerOption]] = []
+        effects: List[List[Effect]] = []
+        for record in self.profile.layers:
+            opts = self.options[record.type_key]
+            if measured_only:
+                opts = [o for o in opts if (record.type_key, o) in self.effects]
+            per_layer.append(opts)
+            effects.append([self.effect(record.type_key, o) for o in opts])
+        return solver.Problem(self.profile.segments, effects), per_layer
+
+    def _solve(self, chooser: Callable[[solver.Problem], Optional[List[int]]]) -> Optional[List[LayerOption]]:
+        """Solve, probe the options the solution uses that are still modelled, and solve again
+        until the solution rests on measurements only (at most ``_MAX_PROBES`` probes per layer
+        type; then the measured options alone)."""
+        for _ in range(_MAX_PROBES):
+            problem, per_layer = self._problem()
+            picked = chooser(problem)
+            if picked is None:
+                break
+            chosen = [per_layer[i][k] for i, k in enumerate(picked)]
+            pending = {(r.type_key, o) for r, o in zip(self.profile.layers, chosen)
+                       if not self.effect(r.type_key, o).measured}
+            if not pending:
+                return chosen
+            for key, option in sorted(pending, key=lambda p: (p[0], p[1].name())):
+                self._measure(key, option)
+        problem, per_layer = self._problem(measured_only=True)
+        picked = chooser(problem)
+        return None if picked is None else [per_layer[i][k] for i, k in enumerate(picked)]
+
+    def assignment_effects(self, chosen: Sequence[LayerOption]) -> List[Effect]:
+        return [self.effect(r.type_key, o) for r, o in zip(self.profile.layers, chosen)]
+
+    # ------------------------------------------------------------------ answers
+    def min_budget(self) -> Tuple[int, List[LayerOption], str]:
+        """The smallest predicted peak of any plan, the plan reaching it, and where it falls."""
+        chosen = self._solve(lambda p: solver.min_peak(p, self.resolution)[1])
+        assert chosen is not None
+        prediction = predict(self.profile, self.assignment_effects(chosen))
+        return prediction.peak_bytes, chosen, prediction.where
+
+    def plan(self, budget: Union[int, str]) -> MemoryPlan:
+        """The fastest plan whose predicted peak fits ``budget`` (see :func:`plan_memory`)."""
+        budget_bytes = parse_budget(budget)
+        chosen = self._solve(lambda p: solver.solve(p, budget_bytes, self.resolution))
+        minimum, min_plan, where = self.min_budget()
+        if chosen is None and minimum <= budget_bytes:
+            chosen = min_plan  # (the programme rounds bytes up: at the very edge only the minimum fits)
+        if chosen is None:
+            parts = breakdown(self.profile, self.assignment_effects(min_plan), where)
+            detail = "; ".join(f"{name} {format_bytes(n)}" for name, n in parts if n)
+            raise ValueError(
+                f"plan_memory: no plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): the "
+                f"smallest peak any plan reaches is {format_bytes(minimum)} ({minimum} bytes), during {where}: "
+                f"{detail}. Raise the budget to at least that, or shrink what every plan pays (batch size, "
+                "sequence length, parameters and their gradients, the loss head).")
+        effects = self.assignment_effects(chosen)
+        prediction = predict(self.profile, effects)
+        problem, _ = self._problem(measured_only=True)
+        bound = solver.lower_bound(problem, budget_bytes, self.resolution)
+        if solver.have_scipy():
+            bound = max(bound, solver.lp_bound(problem, budget_bytes))
+        step0 = self.profile.step_s
+        choices = [self._choice(i, o, e) for i, (o, e) in enumerate(zip(chosen, effects))]
+        return MemoryPlan(self.layers, choices, self.seen, self.prober, budget_bytes=budget_bytes,
+                          predicted_peak_bytes=prediction.peak_bytes, peak_at=prediction.where,
+                          predicted_step_s=prediction.step_s, lower_bound_step_s=min(prediction.step_s, step0 + bound),
+                          min_budget_bytes=minimum, reference_peak_bytes=self.reference_peak(),
+                          reference_step_s=step0, device=self.profile.device, notes=self.profile.notes,
+                          probes=self.probes)
+
+    def reference_peak(self) -> int:
+        return max(s.peak for s in self.profile.segments)
+
+    def _choice(self, index: int, option: LayerOption, effect: Effect) -> LayerChoice:
+        record = self.profile.layers[index]
+        ltype = self.profile.types[record.type_key]
+        saved = sum(record.saved_sizes)
+        if option.kind == "none":
+            kept, swapped = saved, 0
+        elif option.kind == "swap":
+            swapped = sum(s for s in record.saved_sizes if s >= max(option.swap_min_bytes, cand.MIN_SWAP_BYTES))
+            kept = saved - swapped
+        else:
+            units = {u.key: u for u in cand.units_of(ltype)}
+            kept = sum(units[k].bytes for k, a in option.keep if a == "save" and k in units)
+            swapped = sum(units[k].bytes for k, a in option.keep if a == "swap" and k in units)
+            if option.swap_inputs:
+                swapped += record.input_bytes
+            else:
+                kept += record.input_bytes
+        recomputed = max(0, saved - kept - swapped)
+        return LayerChoice(index, record.type_key, option, kept, swapped, recomputed, effect.seconds)
+
+
+def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str], *,
+                prober: Optional[Any] = None, resolution: int = 2048) -> MemoryPlan:
+    """Choose SAVE / RECOMPUTE / SWAP for every layer of ``layers`` so that one ``step_fn()`` peaks
+    at most at ``budget`` bytes of device memory, as fast as the options allow.
+
+    - ``layers``: the model's layer stack (``nn.ModuleList``, ``nn.Sequential`` or a list), not
+      wrapped yet; ``model.model.layers`` in Hugging Face decoders, ``model.transformer.h`` in GPT-2.
+    - ``step_fn()``: one training forward + backward, as the training loop runs it (no optimizer
+      step). The planner calls it twice (once instrumented, once timed) and puts back what it
+      changed: the parameters' gradients, tensors it wrote in place (BatchNorm statistics) and the
+      random number generators.
+    - ``budget``: bytes (``int``) or a string (``"512MiB"``, ``"6GB"``): the absolute peak device
+      memory of one ``step_fn()`` call (``torch.cuda.max_memory_allocated()`` after
+      ``reset_peak_memory_stats()`` just before it; on a CPU the live storages, the library's host
+      buffers excluded), parameters, gradients, inputs and activations included.
+
+    A budget below what any plan reaches is a ``ValueError`` stating the minimum and what makes it
+    up; a budget above the step's peak with every layer left as it is gives a plan that wraps
+    nothing. The returned plan is not applied: call ``plan.apply()``. Planning probes copies of
+    each kind of layer alone (a few seconds on small models) and resets ``SwapManager`` statistics.
+
+    Example::
+
+        >>> import torch
+        >>> from hyper_parallel.core.activation_checkpoint import plan_memory
+        >>> layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+        ...                                                  torch.nn.Linear(256, 64)) for _ in range(4))
+        >>> x = torch.randn(32, 64, requires_grad=True)
+        >>> def step():
+        ...     h = x
+        ...     for layer in layers:
+        ...         h = layer(h)
+        ...     h.square().mean().backward()
+        >>> plan = plan_memory(layers, step, budget=10 << 30)   # plenty: nothing to wrap
+        >>> [c.option.kind for c in plan.choices]
+        ['none', 'none', 'none', 'none']
+    """
+    prober = prober if prober is not None else active_prober()
+    budget_bytes = parse_budget(budget)
+    stack = _layer_list(layers, prober)
+    if not callable(step_fn):
+        raise TypeError(f"plan_memory: step_fn must be a zero-argument callable running one forward + backward, "
+                        f"got {step_fn!r}")
+    profile = prober.profile_step(stack, step_fn)
+    return Planner(stack, profile, prober, resolution).plan(budget_bytes)
+
+
+def _layer_list(layers: Any, prober: Any) -> List[Any]:
+    if isinstance(layers, dict) or hasattr(layers, "items") and not hasattr(layers, "__getitem__"):
+        raise TypeError("plan_memory: layers must be a sequence of layers (nn.ModuleList, nn.Sequential, list)")
+    try:
+        stack = list(layers.values()) if hasattr(layers, "values") and hasattr(layers, "keys") else list(layers)
+    except TypeError:
+        raise TypeError(f"plan_memory: layers must be a layer stack (nn.ModuleList, nn.Sequential, a list), got "
+                        f"{type(layers).__name__}") from None
+    if not stack:
+        raise ValueError("plan_memory: the layer stack is empty")
+    for i, layer in enumerate(stack):
+        if not prober.is_layer(layer):
+            raise TypeError(f"plan_memory: layer {i} is a {type(layer).__name__}, not a module")
+        kind = wrapped_kind(layer)
+        if kind is not None:
+            raise ValueError(f"plan_memory: layer {i} ({type(layer).__name__}) is already wrapped by {kind}; plan on "
+                             "the unwrapped layers (the plan wraps them itself when applied)")
+    if len({id(layer) for layer in stack}) != len(stack):
+        raise ValueError("plan_memory: the same layer object appears twice in the stack")
+    return stack
