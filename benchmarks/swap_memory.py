@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--postln-heads", type=int, default=4)
     p.add_argument("--postln-seq", type=int, default=128)
     p.add_argument("--postln-batch", type=int, default=4)
-    p.add_argument("--postln-ffn-ratio", type=int, default=4)
+    p.add_argument("--postln-mlp-ratio", type=int, default=4)
     p.add_argument("--postln-dropout", type=float, default=0.0)
     p.add_argument("--postln-sdpa", action="store_true",
                    help="need_weights=False: attention through scaled_dot_product_attention (default: bmm + softmax)")
@@ -88,7 +88,7 @@ def _model(name: str, args, device: torch.device, dtype: torch.dtype):
         model, batch = GPT(cfg, seed=args.seed), args.gpt_batch
     elif name == "postln":
         cfg = PostLNConfig(vocab=args.vocab, dim=args.postln_dim, heads=args.postln_heads, layers=args.postln_layers,
-                           seq=args.postln_seq, ffn_ratio=args.postln_ffn_ratio, dropout=args.postln_dropout,
+                           seq=args.postln_seq, mlp_ratio=args.postln_mlp_ratio, dropout=args.postln_dropout,
                            need_weights=not args.postln_sdpa)
         model, batch = PostLNTransformer(cfg, seed=args.seed), args.postln_batch
     else:
