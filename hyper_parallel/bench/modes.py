@@ -8,7 +8,11 @@ The benchmarks pick their rows from it:
 * ``python -m hyper_parallel.bench`` (``MODES``, the RFC's seven modes, and with ``--swap-wrapper``
   ``SWAP_WRAPPER_MODES``) under short mode names (``MODE_RECIPES``, ``SWAP_WRAPPER_RECIPES``);
 * ``benchmarks/compare_peers.py``: ``PEER_VARIANTS`` by default, any recipe by name;
-* ``benchmarks/recompute_vs_torch.py``: ``RECOMPUTE_VS_TORCH``.
+* ``benchmarks/recompute_vs_torch.py``: ``RECOMPUTE_VS_TORCH``;
+* ``benchmarks/swap_overhead.py``: ``OVERHEAD_VARIANTS`` (on ``SmallOpsNet``: ``copy_hooks`` and
+  ``torch_sac_copy`` are the peers doing what ours do on a CPU);
+* ``benchmarks/swap_memory.py``: ``MEMORY_VARIANTS``;
+* ``benchmarks/compile_vs_eager.py``: any recipe by name.
 
 Bench mode -> recipe: ``none``; ``recompute``, ``funcrecompute``, ``save``, ``funcsave``,
 ``swap``, ``funcswap`` -> ``ours_<mode>`` (``swap`` -> ``ours_ckpt_swap``: matmul outputs and
@@ -32,8 +36,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 __all__ = [
-    "Recipe", "RECIPES", "MODES", "SWAP_WRAPPER_MODES", "MODE_RECIPES", "SWAP_WRAPPER_RECIPES",
-    "PEER_VARIANTS", "RECOMPUTE_VS_TORCH", "DEFAULT_SWAP_THRESHOLD_BYTES", "MATMUL_OPS",
+    "Recipe", "RECIPES", "MODES", "SWAP_WRAPPER_MODES", "MODE_RECIPES", "SWAP_WRAPPER_RECIPES", "PEER_VARIANTS",
+    "RECOMPUTE_VS_TORCH", "OVERHEAD_VARIANTS", "MEMORY_VARIANTS", "DEFAULT_SWAP_THRESHOLD_BYTES", "MATMUL_OPS",
     "save_matmuls", "swap_matmuls", "swap_if_at_least", "chain_layers",
     "apply_variant", "apply_mode", "apply_swap_wrapper_mode", "ByteCounter", "CopyHooks",
     "sac_host_copy_contexts", "HooksLayer", "TorchCheckpointLayer",
@@ -187,7 +191,7 @@ class HooksLayer(nn.Module):
 @dataclass
 class ByteCounter:
     """Bytes a peer moved, device to host (``d2h``) and back (``h2d``), and how many tensors it
-    copied out (``tensors``; counted by :class:`CopyHooks` and :func:`sac_host_copy_contexts`)."""
+    copied out (``tensors``), counted by the peers' hooks."""
 
     d2h: int = 0
     h2d: int = 0
@@ -309,6 +313,7 @@ def count_hooks(hooks: Any, counter: ByteCounter, *, model_device_on_cpu: bool) 
             if host.untyped_storage()._cdata == t.untyped_storage()._cdata:
                 host = t.detach().clone()  # what tensor.cpu() would copy off a real device
             mark_host(host)
+        counter.tensors += 1
         counter.d2h += host.numel() * host.element_size()
         return dev, host
 
@@ -331,6 +336,7 @@ def count_torchtune_hooks(hooks: Any, counter: ByteCounter) -> Any:
         tid = pack(t)
         entry = hooks.tracker.get(tid)
         if entry is not None and entry[1]:
+            counter.tensors += 1
             counter.d2h += t.numel() * t.element_size()
         return tid
 
@@ -444,6 +450,19 @@ def _save_on_cpu(model, device, threshold):
     return counter
 
 
+def _copy_hooks(model, device, threshold):
+    counter, mark = ByteCounter(), device.type == "cpu"
+    _each_layer(model, lambda layer: HooksLayer(layer, lambda: CopyHooks(counter, mark=mark)))
+    return counter
+
+
+def _torch_sac_copy(model, device, threshold):
+    counter, mark = ByteCounter(), device.type == "cpu"
+    _each_layer(model, lambda layer: HooksLayer(layer, lambda: CopyHooks(counter, mark=mark),
+                                                context_fn=lambda: sac_host_copy_contexts(_torch_policy, counter, mark)))
+    return counter
+
+
 def _torchtune(checkpointed: bool):
     def apply(model, device, threshold):
         cls, reason = torchtune_offload_class(device)
@@ -463,6 +482,14 @@ RECIPES: Dict[str, Recipe] = {r.name: r for r in [
            _torch_ckpt(True)),
     Recipe("save_on_cpu", "peer", "torch.autograd.graph.save_on_cpu per layer (pin_memory on accelerators)",
            _save_on_cpu, offloads=True),
+    Recipe("copy_hooks", "peer", "saved_tensors_hooks per layer copying every saved tensor (parameters too) out "
+                                 "(torch.empty_like + copy_) and back (clone): save_on_cpu's work, also on a CPU "
+                                 "(a CPU yardstick: on an accelerator the copy stays on the device)",
+           _copy_hooks, offloads=True),
+    Recipe("torch_sac_copy", "peer", "torch_sac whose cached matmul outputs are copied out and back "
+                                     "(sac_host_copy_contexts), inside copy_hooks (which copy the layer input the "
+                                     "checkpoint saves): what ours_ckpt_swap moves",
+           _torch_sac_copy, offloads=True),
     Recipe("torchtune_offload", "peer", "torchtune OffloadActivations around each layer (streams, pinned)",
            _torchtune(False), offloads=True),
     Recipe("torchtune_offload_ckpt", "peer", "torchtune OffloadActivations + torch.utils.checkpoint per layer "
@@ -480,12 +507,13 @@ RECIPES: Dict[str, Recipe] = {r.name: r for r in [
     Recipe("ours_ckpt_swap", "ours", "checkpoint_wrapper(layer, policy_fn=swap_matmuls, swap_inputs=True), layers "
                                      "chained: matmul outputs + inputs swapped, the rest recomputed",
            _wrapped(True, policy_fn=swap_matmuls, swap_inputs=True), offloads=True,
-           counterparts=("save_on_cpu", "torchtune_offload", "torchtune_offload_ckpt")),
+           counterparts=("save_on_cpu", "torch_sac_copy", "torchtune_offload", "torchtune_offload_ckpt")),
     Recipe("ours_funcswap", "ours", "checkpoint_wrapper(policy_fn=swap_matmuls, swap_inputs=True) on attn.forward "
                                     "and mlp.forward, layers chained",
            _functions(True, policy_fn=swap_matmuls, swap_inputs=True), offloads=True),
     Recipe("ours_swap_wrapper", "ours", "swap_wrapper(layer), layers chained: every saved tensor swapped",
-           _wrapped(True, swap=True), offloads=True, counterparts=("save_on_cpu", "torchtune_offload")),
+           _wrapped(True, swap=True), offloads=True,
+           counterparts=("save_on_cpu", "copy_hooks", "torchtune_offload")),
     Recipe("ours_recompute_swapin", "ours", "checkpoint_wrapper(layer, swap_inputs=True), layers chained: "
                                             "whole-layer recompute, checkpoint inputs swapped",
            _wrapped(True, swap_inputs=True), offloads=True, counterparts=("torchtune_offload_ckpt", "torch_ckpt")),
@@ -512,6 +540,11 @@ PEER_VARIANTS: Tuple[str, ...] = (
 #: ``benchmarks/recompute_vs_torch.py``'s rows (its names -> recipes).
 RECOMPUTE_VS_TORCH: Dict[str, str] = {"torch_full": "torch_ckpt", "ours_full": "ours_recompute",
                                       "torch_sac": "torch_sac", "ours_sac": "ours_save"}
+#: ``benchmarks/swap_overhead.py``'s rows (on ``SmallOpsNet``): ours and the peers doing the same work.
+OVERHEAD_VARIANTS: Tuple[str, ...] = ("none", "save_on_cpu", "copy_hooks", "ours_swap_wrapper", "torch_sac",
+                                      "torch_sac_copy", "ours_save", "ours_ckpt_swap")
+#: ``benchmarks/swap_memory.py``'s rows.
+MEMORY_VARIANTS: Tuple[str, ...] = ("none", "ours_recompute", "ours_ckpt_swap", "ours_swap_wrapper", "save_on_cpu")
 
 
 def apply_variant(model: nn.Module, name: str, *, device: Any = "cpu",
