@@ -87,6 +87,16 @@ def test_runner_counts_our_bytes_from_the_engine_statistics_and_buckets_cut_the_
     assert all(v.grads_equal_to_none for run in (plain, bucketed) for v in run.values())
 
 
+def test_peers_mark_their_host_copies_in_the_metered_step_only():
+    """On CPU the copying peers' host copies are host memory in the metered step (copy_hooks then
+    holds what save_on_cpu holds; after the forward, less than none), and are not marked in the timed steps
+    (marking is the meter's cost, not the peer's)."""
+    run = _run_small(["none", "copy_hooks", "save_on_cpu"]).variants
+    assert run["copy_hooks"].phases == run["save_on_cpu"].phases
+    assert run["copy_hooks"].phases["forward"]["end"] < run["none"].phases["forward"]["end"]
+    assert not run["copy_hooks"].counter.mark and not run["save_on_cpu"].counter.mark
+
+
 def test_phase_meter_reads_each_phase_and_leaves_host_buffers_out():
     """Each phase's peak and end, above the model's own bytes, from the public meter: a buffer
     marked as host memory right after its allocation counts in no phase, as in MemoryMeter."""

@@ -314,8 +314,14 @@ def metered_step(v: VariantRun, batch, seed: int, device: torch.device) -> Tuple
     # Drop the previous step's gradients first: inside the meter they would count as baseline.
     v.optimizer.zero_grad(set_to_none=True)
     synchronize(device)
-    with PhaseMeter(device, v.model) as meter:
-        out = train_step(v, batch, seed, device, meter)
+    if v.counter is not None:  # a peer's host copies are host memory, for the CPU meter (see ByteCounter)
+        v.counter.mark = device.type == "cpu"
+    try:
+        with PhaseMeter(device, v.model) as meter:
+            out = train_step(v, batch, seed, device, meter)
+    finally:
+        if v.counter is not None:
+            v.counter.mark = False
     v.phases = meter.phases
     v.peak_bytes = max(p["peak"] for p in meter.phases.values())
     return out
