@@ -105,7 +105,8 @@ def _targets(rows: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
     for m in [m for m in SWAP_ROWS if m in rows]:
         if rec is not None:
             r = {ph: ratio(rows[m]["phases"][ph]["peak"], rec["phases"][ph]["peak"]) for ph in runner.PHASES}
-            out.append({"target": f"{m} peak <= ours_recompute's at every phase", "ok": all(v <= 1.0 for v in r.values()),
+            out.append({"target": f"{m} peak <= ours_recompute's at every phase",
+                        "ok": all(v <= 1.0 for v in r.values()),
                         "detail": ", ".join(f"{ph} {v:.2f}x" for ph, v in r.items())})
         if soc is not None:
             r = ratio(rows[m]["peak_bytes"], soc["peak_bytes"])
@@ -126,7 +127,8 @@ def _print_model(name: str, cfg, batch: int, res: Dict[str, Any]) -> None:
         table.append([n] + ["%.1f" % (ph[p][k] / MiB) for p, k in (("forward", "peak"), ("forward", "end"),
                                                                      ("backward", "peak"), ("backward", "end"),
                                                                      ("optimizer", "peak"))]
-                     + ["%.1f" % (r["peak_bytes"] / MiB), fmt(ratio(r["peak_bytes"], rec and rec["peak_bytes"]), "%.2fx"),
+                     + ["%.1f" % (r["peak_bytes"] / MiB),
+                        fmt(ratio(r["peak_bytes"], rec and rec["peak_bytes"]), "%.2fx"),
                         fmt(ratio(r["peak_bytes"], soc and soc["peak_bytes"]), "%.2fx"), "%.2f" % above, eq])
     print(report.table(header, table, align="l" + "r" * (len(header) - 1)))
     print(report.legend([(n, RECIPES[n].what) for n in rows]))
