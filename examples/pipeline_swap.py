@@ -11,67 +11,24 @@ prefetch)`` makes the schedule offload each microbatch's activations after its f
 prefetch them ``prefetch`` microbatches ahead of its backward: at most ``prefetch + 1``
 microbatches' swapped activations are on a stage's device at once, and the groups of a step are
 gone when ``step()`` returns. Prints each rank's loss (last stage) and peak device memory per step.
+(The process group and the policy come from ``_common.py``, shared by the examples.)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-try:  # run from a checkout without `pip install -e .`
-    import hyper_parallel  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import finish, say, setup, swap_matmuls
+from hyper_parallel.bench.model import ResidualMLP
+from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper, pipeline_swap, swap_wrapper
+from hyper_parallel.tools.memory import MemoryMeter
 
-from hyper_parallel.core.activation_checkpoint import (CheckpointPolicy, checkpoint_wrapper,  # noqa: E402
-                                                       pipeline_swap, swap_wrapper)
-from hyper_parallel.tools.memory import MemoryMeter  # noqa: E402
-
-HEAVY = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 DIM, HIDDEN, SEQ = 256, 1024, 128
-
-
-def swap_matmuls(ctx, op, *args, **kwargs):
-    """Matmul outputs swapped to host memory, everything else recomputed in backward."""
-    return CheckpointPolicy.MUST_SWAP if op in HEAVY else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def say(line: str) -> None:
-    """One write per line, so that the ranks' lines do not interleave."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-def setup():
-    """Join the group torchrun describes, on this rank's accelerator if there is one."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.accelerator.is_available():
-        device = torch.device(torch.accelerator.current_accelerator().type,
-                              local_rank % torch.accelerator.device_count())
-        torch.accelerator.set_device_index(device.index)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group(backend=dist.get_default_backend_for_device(device))
-    return device, dist.get_rank(), dist.get_world_size()
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
 
 
 def main() -> None:
@@ -87,7 +44,7 @@ def main() -> None:
 
     device, rank, world = setup()
     torch.manual_seed(0)  # every rank builds the whole model the same way and keeps its slice
-    layers = [Block() for _ in range(world * args.layers_per_stage)]
+    layers = [ResidualMLP(DIM, HIDDEN) for _ in range(world * args.layers_per_stage)]
     mine = layers[rank * args.layers_per_stage:(rank + 1) * args.layers_per_stage]
     if not args.no_swap:  # 1. wrap the stage's layers for swap (no layer chain in a pipeline)
         for i, block in enumerate(mine):
@@ -124,8 +81,7 @@ def main() -> None:
             f"{sched.peak_resident_bytes / 2**20:.2f} MiB = {sched.peak_resident_microbatches} of "
             f"{args.microbatches} microbatches (bound: prefetch + 1 = {sched.max_resident_microbatches}); "
             f"{sched.offloads} offloads, {sched.loads} loads in {sched.steps} steps")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

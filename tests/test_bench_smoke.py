@@ -95,18 +95,62 @@ def test_bench_swap_wrapper_modes_match_baseline(tmp_path):
 
 @pytest.mark.slow
 def test_bench_reports_a_failing_worker(tmp_path):
-    # a worker that cannot build its model (seq larger than the model allows is fine,
-    # so use an impossible dtype/device instead) must make the bench exit non-zero
-    env = dict(os.environ)
+    # a worker that cannot import the library (an unknown platform named in its environment) must
+    # make the bench exit non-zero and show the worker's own error
+    env = dict(os.environ, HYPER_PARALLEL_PLATFORM="no_such_platform")
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     proc = subprocess.run(
-        [sys.executable, "-m", "hyper_parallel.bench", *TINY_ARGS, "--modes", "none",
-         "--device", "no_such_device", "--no-progress"],
+        [sys.executable, "-m", "hyper_parallel.bench", *TINY_ARGS, "--modes", "recompute", "--no-progress"],
         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "failed" in proc.stderr.lower()
-    assert "no_such_device" in proc.stderr  # the worker's own error is shown
+    assert "no_such_platform" in proc.stderr  # the worker's own error is shown
+
+
+def _refused(monkeypatch, capsys, argv):
+    """``main(argv)`` must stop with a usage error before any mode runs; returns its message."""
+    def no_mode(*args, **kwargs):
+        raise AssertionError("a mode ran before the options were checked")
+
+    monkeypatch.setattr(bench, "run_mode", no_mode)
+    monkeypatch.setattr(bench, "run_worker", no_mode)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_refused_before_any_mode_runs(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(report, "have_matplotlib", lambda: (False, "not installed"))
+    err = _refused(monkeypatch, capsys, ["--plot", str(tmp_path / "out.png")])
+    assert "--plot needs matplotlib" in err and "pip install" in err
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="checks a CPU-only build")
+def test_an_accelerator_device_on_a_cpu_build_is_refused_before_any_mode_runs(monkeypatch, capsys):
+    err = _refused(monkeypatch, capsys, ["--device", "cuda"])
+    assert "has no cuda device" in err and "--device cpu" in err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--device", "no_such_device"], "is not a device torch"),
+    (["--dropout", "1.5"], "dropout must be in [0, 1)"),
+    (["--dim", "30", "--heads", "4"], "must be divisible by heads"),
+    (["--modes", "bogus"], "unknown mode(s) bogus"),
+    (["--steps", "0"], "must be >= 1"),
+    (["--json", "{file}/sub/out.json"], "--json: cannot write to"),
+    (["--trace", "{file}/traces"], "--trace: cannot write to"),
+])
+def test_bad_options_are_refused_before_any_mode_runs(monkeypatch, capsys, tmp_path, argv, says):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")  # a folder below a file can be neither written nor made
+    assert says in _refused(monkeypatch, capsys, [a.format(file=a_file) for a in argv])
+
+
+def test_good_options_pass_the_checks():
+    parser = bench.build_parser()
+    bench.check_options(parser.parse_args(["--modes", "none,swap", "--device", "cpu"]), parser)  # no exit
 
 
 # ---------------------------------------------------------------- fast checks

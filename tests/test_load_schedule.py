@@ -317,15 +317,32 @@ def test_cpu_schedule_accounting_shared_once_and_one_load_per_tensor():
     caller still holds stay 'shared', each storage counted once (the network input is retried and
     still held; the last two layers' inputs are never retried); layer 1's input, skipped at its
     layer's end and offloaded by the retry, is taken back out of 'shared'. Backward loads each
-    offloaded storage in one launch of its own, and the bench's counter sees every one of them."""
-    from hyper_parallel.bench.swapbench import counting_offloads
-
+    offloaded storage in one launch of its own: one per storage the layers save, less the mask and
+    the three inputs that stay."""
     mgr = SwapManager()
     net = _swapped_net()
     x = make_input(net)
-    with counting_offloads() as moved:
-        net(x).backward()
+    net(x).backward()
     s = mgr.stats()
     assert s["kept_bytes"]["shared"] == N_LAYERS * net.mask.nbytes + 3 * x.nbytes, s["kept_bytes"]
-    assert moved["tensors"] > 0 and moved["bytes"] == s["offloaded_bytes"] == s["loaded_bytes"]
-    assert s["load_launches"] == moved["copies_back"] == moved["tensors"]
+    assert s["offloaded_bytes"] == s["loaded_bytes"] > 0
+    assert s["load_launches"] == _storages_saved_in_layers(ToyNet(layers=N_LAYERS), x) - 3
+
+
+def _storages_saved_in_layers(net: ToyNet, x: torch.Tensor) -> int:
+    """How many distinct storages, parameters and buffers aside, the layers of an unwrapped
+    ``net`` save for backward in one forward of ``x``."""
+    static = {t.untyped_storage().data_ptr() for t in list(net.parameters()) + list(net.buffers())}
+    inside, saved = [False], set()
+    for layer in net.layers:
+        layer.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True))
+        layer.register_forward_hook(lambda m, a, o: inside.__setitem__(0, False))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if inside[0] and t.untyped_storage().data_ptr() not in static:
+            saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        net(x)
+    return len(saved)

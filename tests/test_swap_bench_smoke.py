@@ -1,6 +1,7 @@
 """Smoke tests of benchmarks/swap_overhead.py and benchmarks/swap_memory.py (issue 12's measurements)
-at tiny size, and of the copying peers they compare against. No timing assertions: the numbers are
-for the issue's notes and docs/benchmarks.md."""
+at tiny size, and of the pieces of the shared bench they rest on: the copying peers, the runner's
+byte counts (``SwapManager().stats()``), memory per phase and call counts. No timing assertions:
+the numbers are for docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ import sys
 import pytest
 import torch
 
-from hyper_parallel.bench.modes import ByteCounter, CopyHooks, HooksLayer, sac_host_copy_contexts
-from hyper_parallel.bench.swapbench import SmallOpsNet, _torch_policy, counting_calls, saved_bytes_per_layer
+from hyper_parallel.bench import runner
+from hyper_parallel.bench.model import SmallOpsNet
+from hyper_parallel.bench.modes import (MEMORY_VARIANTS, OVERHEAD_VARIANTS, ByteCounter, CopyHooks, HooksLayer,
+                                        _torch_policy, sac_host_copy_contexts)
+from hyper_parallel.bench.runner import PhaseMeter, saved_bytes_per_layer
+from hyper_parallel.bench.timing import counting_calls
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -60,48 +65,58 @@ def test_copying_peers_are_bitwise_exact_and_count_what_they_copy():
     assert 0 < sac.h2d <= sac.d2h
 
 
-def test_floor_hooks_move_what_swap_wrapper_moves_bitwise():
-    """The yardstick of swap_overhead (bench/floor_hooks.py) must do the same work as the engine
-    it is compared with: the same tensors and bytes out and back, exact gradients, and an in-place
-    change of a saved tensor refused."""
-    from hyper_parallel.core.activation_checkpoint import SwapManager
-    from hyper_parallel.bench.swapbench import OVERHEAD_VARIANTS, counting_offloads
+def _run_small(names, **kw):
+    model = SmallOpsNet(blocks=4, dim=8, hidden=16)
+    return runner.run_variants(names, batch=2, device=torch.device("cpu"), rounds=1, warmup=1, lr=0.0, seed=0,
+                               base_model=model, batches=lambda i: model.make_batch(2, i), **kw)
 
-    torch.manual_seed(0)
-    base = SmallOpsNet(blocks=4, dim=8, hidden=16)
-    x = torch.randn(2, 8)
-    base(x).backward()
-    want = _grads(base)
 
-    floor = SmallOpsNet(blocks=4, dim=8, hidden=16)
-    counter = OVERHEAD_VARIANTS["floor_hooks"].apply(floor)
-    floor(x).backward()
-    assert all(torch.equal(a, b) for a, b in zip(_grads(floor), want))
+def test_runner_counts_our_bytes_from_the_engine_statistics_and_buckets_cut_the_loads(fresh_manager):
+    """What ours move per step comes from SwapManager().stats(): every byte offloaded comes back
+    (swap_wrapper), in one load launch per storage on a CPU build, or per bucket of small storages
+    with buckets on; the gradients stay bitwise those of the plain model."""
+    plain = _run_small(["none", "ours_swap_wrapper", "copy_hooks"], metered=False).variants
+    fresh_manager.set_bucket_bytes(1 << 20)
+    bucketed = _run_small(["none", "ours_swap_wrapper"], metered=False).variants
+    ours, peer = plain["ours_swap_wrapper"], plain["copy_hooks"]
+    assert ours.moved["d2h"] == ours.moved["h2d"] > 0 and ours.tensors_out is None
+    assert peer.moved["d2h"] == peer.moved["h2d"] > ours.moved["d2h"]  # the hooks copy the parameters too
+    assert peer.tensors_out > ours.load_launches > 0 and peer.load_launches is None
+    assert bucketed["ours_swap_wrapper"].moved == ours.moved
+    assert 0 < bucketed["ours_swap_wrapper"].load_launches < ours.load_launches
+    assert all(v.grads_equal_to_none for run in (plain, bucketed) for v in run.values())
 
-    ours = SmallOpsNet(blocks=4, dim=8, hidden=16)
-    OVERHEAD_VARIANTS["ours_swap_wrapper"].apply(ours)
-    ours(x).backward()  # (the chain's first step)
-    for model in (floor, ours):
-        for p in model.parameters():
-            p.grad = None
-    before = (counter.tensors, counter.d2h, counter.h2d)
-    floor(x).backward()
-    stats0 = SwapManager().stats()
-    with counting_offloads() as counted:
-        ours(x).backward()
-    stats1 = SwapManager().stats()
-    assert counter.tensors - before[0] == counted["tensors"] > 0
-    assert counter.d2h - before[1] == stats1["offloaded_bytes"] - stats0["offloaded_bytes"]
-    assert counter.h2d - before[2] == stats1["loaded_bytes"] - stats0["loaded_bytes"] == counter.d2h - before[1]
-    assert all(torch.equal(a, b) for a, b in zip(_grads(floor), want))
 
-    h = {}
-    floor.layers[1].inner.act.register_forward_hook(lambda m, a, out: h.setdefault("gelu", out))
-    loss = floor(x)
-    with torch.no_grad():
-        h["gelu"].mul_(2)  # saved by fc2 (kept on the device: held by this dict)
-    with pytest.raises(RuntimeError, match="modified by an in-place operation"):
-        loss.backward()
+def test_peers_mark_their_host_copies_in_the_metered_step_only():
+    """On CPU the copying peers' host copies are host memory in the metered step (copy_hooks then
+    holds what save_on_cpu holds; after the forward, less than none), and are not marked in the timed steps
+    (marking is the meter's cost, not the peer's)."""
+    run = _run_small(["none", "copy_hooks", "save_on_cpu"]).variants
+    assert run["copy_hooks"].phases == run["save_on_cpu"].phases
+    assert run["copy_hooks"].phases["forward"]["end"] < run["none"].phases["forward"]["end"]
+    assert not run["copy_hooks"].counter.mark and not run["save_on_cpu"].counter.mark
+
+
+def test_phase_meter_reads_each_phase_and_leaves_host_buffers_out():
+    """Each phase's peak and end, above the model's own bytes, from the public meter: a buffer
+    marked as host memory right after its allocation counts in no phase, as in MemoryMeter."""
+    from hyper_parallel.tools.memory import mark_host
+
+    model = torch.nn.Linear(4, 4)
+    static = runner.module_bytes(model)
+    with PhaseMeter(torch.device("cpu"), model) as pm:
+        a = torch.empty(1 << 18)            # 1 MiB, freed in the next phase
+        pm.phase("first")
+        b = torch.empty(1 << 16)            # 256 KiB while a is alive
+        del a
+        host = torch.empty(1 << 20)          # 4 MiB swap copy: host memory
+        mark_host(host)
+        pm.phase("second")
+        del b
+        pm.phase("third")
+    assert pm.phases["first"] == {"peak": static + (1 << 20), "end": static + (1 << 20)}
+    assert pm.phases["second"] == {"peak": static + (1 << 20) + (1 << 18), "end": static + (1 << 18)}
+    assert pm.phases["third"] == {"peak": static + (1 << 18), "end": static}
 
 
 def _len_each(n):
@@ -185,16 +200,14 @@ def test_swap_overhead_tiny(tmp_path):
     assert proc.returncode == 0, log
     doc = json.loads(out.read_text())
     rows = doc["results"]
-    assert set(rows) == {"none", "save_on_cpu", "copy_hooks", "ours_swap_wrapper", "floor_hooks", "torch_sac",
-                         "torch_sac_copy", "ours_save", "ours_ckpt_swap"}
+    assert list(rows) == list(OVERHEAD_VARIANTS) and not doc["errors"]
     assert all(r["grads_equal_to_none"] for r in rows.values())
-    for n in ("copy_hooks", "ours_swap_wrapper", "floor_hooks", "torch_sac_copy", "ours_ckpt_swap"):
-        assert rows[n]["moved"]["tensors"] > 0 and rows[n]["moved"]["d2h"] > 0, (n, rows[n])
-    for n in ("none", "save_on_cpu", "torch_sac", "ours_save"):
-        assert rows[n]["moved"] == {"tensors": 0, "d2h": 0, "h2d": 0, "copies_back": 0}, (n, rows[n])
-    # tiny tensors in buckets: one host-to-device copy per bucket, fewer than the tensors back
-    ours = rows["ours_swap_wrapper"]["moved"]
-    assert 0 < ours["copies_back"] < ours["tensors"], ours
+    for n in ("save_on_cpu", "copy_hooks", "torch_sac_copy"):
+        assert rows[n]["tensors_out_per_step"] > 0 and rows[n]["bytes_moved_per_step"]["d2h"] > 0, (n, rows[n])
+    for n in ("ours_swap_wrapper", "ours_ckpt_swap"):
+        assert rows[n]["load_launches_per_step"] > 0 and rows[n]["bytes_moved_per_step"]["d2h"] > 0, (n, rows[n])
+    for n in ("none", "torch_sac", "ours_save"):
+        assert rows[n]["bytes_moved_per_step"] == {"d2h": 0, "h2d": 0}, (n, rows[n])
     pairs = {(p["ours"], p["peer"]): p for p in doc["pairs"]}
     assert pairs[("ours_swap_wrapper", "copy_hooks")]["target"] == 1.5
     assert pairs[("ours_ckpt_swap", "torch_sac_copy")]["target"] == 1.25
@@ -204,7 +217,7 @@ def test_swap_overhead_tiny(tmp_path):
     assert rows["copy_hooks"]["calls"]["python"] > rows["none"]["calls"]["python"]
     assert rows["ours_swap_wrapper"]["calls"]["python"] > rows["none"]["calls"]["python"]
     assert all(p["calls_ratio"] > 0 for p in pairs.values())
-    for text in ("overhead us/tensor", "py calls", "calls ratio", "legend:", "load average"):
+    for text in ("overhead us/block", "py calls", "calls ratio", "legend:", "load average"):
         assert text in proc.stdout, text
 
 
@@ -220,14 +233,14 @@ def test_swap_memory_tiny(tmp_path):
     assert set(doc["models"]) == {"gpt", "postln"}
     for name, res in doc["models"].items():
         assert not res["errors"], res["errors"]
-        assert list(res["results"]) == ["none", "recompute", "swap", "swap_wrapper", "save_on_cpu"]
-        for mode, r in res["results"].items():
+        assert list(res["results"]) == list(MEMORY_VARIANTS)
+        for n, r in res["results"].items():
             assert set(r["phases"]) == {"forward", "backward", "optimizer"}
             assert r["peak_bytes"] == max(p["peak"] for p in r["phases"].values()) > 0
-            assert r["loss"] == res["results"]["none"]["loss"], (name, mode)
+            assert r["loss_equal_to_none"] is True, (name, n)
         after_fwd = {m: r["phases"]["forward"]["end"] for m, r in res["results"].items()}
-        assert after_fwd["recompute"] < after_fwd["none"]
+        assert after_fwd["ours_recompute"] < after_fwd["none"]
         assert res["bound"]["lower_bound_bytes"] > res["bound"]["static_bytes"]
         assert len(res["targets"]) == 4
         assert f"[{name}]" in proc.stdout
-    assert "peak / save_on_cpu" in proc.stdout and "lower bound (estimate)" in proc.stdout
+    assert "vs save_on_cpu" in proc.stdout and "lower bound (estimate)" in proc.stdout and "legend:" in proc.stdout

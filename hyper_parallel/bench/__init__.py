@@ -2,19 +2,19 @@
 
 * :mod:`hyper_parallel.bench.model`: a small GPT (``GPTConfig``, ``GPT``,
   ``make_batch``, ``train_steps``) written so that its matmuls, its shared
-  causal mask and its tied head exercise activation recompute and swap;
+  causal mask and its tied head exercise activation recompute and swap, and
+  ``SmallOpsNet``, many tiny blocks, where the cost per saved tensor dominates;
 * :mod:`hyper_parallel.bench.modes`: the registry of every way to train it (our
   modes, PyTorch's and torchtune's) as recipes (``RECIPES``, ``apply_mode``,
   ``apply_variant`` and the policy functions);
-* :mod:`hyper_parallel.bench.timing`: ``synchronize(device)`` and the interleaved-median timer;
+* :mod:`hyper_parallel.bench.timing`: ``synchronize(device)``, the interleaved-median timer and
+  ``counting_calls``;
 * :mod:`hyper_parallel.bench.report`: tables, legends, loss comparison, JSON, charts;
-* :mod:`hyper_parallel.bench.runner`: variants side by side in one process
-  (``benchmarks/compare_peers.py``, ``benchmarks/recompute_vs_torch.py``);
+* :mod:`hyper_parallel.bench.runner`: variants side by side in one process, with memory per
+  phase, bytes moved, times and calls (every script of ``benchmarks/``);
 * :mod:`hyper_parallel.bench.trace`: Chrome traces and copy-engine figures;
 * :mod:`hyper_parallel.bench.postln`: a post-LN ``nn.MultiheadAttention`` transformer with the GPT's
   interface (every recipe applies to it);
-* :mod:`hyper_parallel.bench.swapbench`: per-tensor swap overhead on a many-small-ops model and peak
-  memory per phase of a step (``benchmarks/swap_overhead.py``, ``benchmarks/swap_memory.py``);
 * ``python -m hyper_parallel.bench`` (or ``hyper-parallel-bench``): compares the
   modes, each in its own subprocess, on peak memory, step time and losses.
 """

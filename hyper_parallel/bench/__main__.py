@@ -13,8 +13,9 @@ Examples::
     python -m hyper_parallel.bench --swap-wrapper        # none / swap / swap_with_policy
     python -m hyper_parallel.bench --modes none,swap --device cuda --json out.json --plot out.png
 
-Exit status: 0 when every mode ran and matched the baseline, 1 when a worker
-failed, 2 when a mode's losses differ from the baseline, 3 (only with
+Every option is checked before any mode runs (the device, ``--plot``'s matplotlib, the sizes,
+the output folders): a bad one exits 2 at once, with the reason. Exit status: 0 when every mode
+ran and matched the baseline, 1 when a worker failed, 2 when a mode's losses differ from the baseline, 3 (only with
 ``--strict``) when an expected peak-memory ordering (none > save > recompute, swap ~ recompute) does not hold.
 """
 
@@ -127,6 +128,8 @@ def run_worker(args) -> int:
 
     from hyper_parallel.bench.model import GPT, GPTConfig, train_steps
     from hyper_parallel.bench.modes import apply_mode
+    from hyper_parallel.core.activation_checkpoint import SwapManager
+    from hyper_parallel.tools.memory import MemoryMeter
 
     mode = args.worker
     allowed = SWAP_WRAPPER_MODES if args.swap_wrapper else MODES
@@ -139,26 +142,11 @@ def run_worker(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-
-    swap_manager = None
-    if mode != "none":
-        from hyper_parallel.core.activation_checkpoint import SwapManager
-
-        swap_manager = SwapManager()
-    else:  # the baseline must run without the library core
-        try:
-            from hyper_parallel.core.activation_checkpoint import SwapManager
-
-            swap_manager = SwapManager()
-        except ImportError:
-            swap_manager = None
-    from hyper_parallel.tools.memory import MemoryMeter
-
+    swap_manager = SwapManager()
     cfg = GPTConfig(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers,
                     seq=args.seq, dropout=args.dropout)
     model = GPT(cfg, seed=args.seed).to(device=device, dtype=dtype)
-    if swap_manager is not None:
-        swap_manager.reset()
+    swap_manager.reset()
     apply_mode(model, mode, swap_wrapper=args.swap_wrapper, swap_threshold_bytes=swap_threshold(args))
 
     meters: List[Any] = []
@@ -175,8 +163,8 @@ def run_worker(args) -> int:
     losses = train_steps(model, args.steps, args.batch, args.lr, args.seed, device,
                          meter=make_meter, times=times, on_step=on_step)
     peak = int(meters[0].peak_bytes) if meters else 0
-    stats = report.plain(swap_manager.stats()) if swap_manager is not None else {}
-    offloaded = int(stats.get("offloaded_bytes", 0) or 0) if isinstance(stats, dict) else 0
+    stats = report.plain(swap_manager.stats())
+    offloaded = int(stats["offloaded_bytes"])
     if args.trace:  # one extra step, after the measured ones: results and stats above are unaffected
         from hyper_parallel.bench.trace import write_trace
 
@@ -249,19 +237,8 @@ def _worker_env() -> Dict[str, str]:
 
 
 def _worker_argv(args, mode: str) -> List[str]:
-    argv = [sys.executable, "-m", "hyper_parallel.bench", "--worker", mode,
-            "--layers", str(args.layers), "--dim", str(args.dim), "--heads", str(args.heads),
-            "--seq", str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab),
-            "--dropout", repr(args.dropout), "--steps", str(args.steps), "--lr", repr(args.lr),
-            "--seed", str(args.seed), "--device", args.device, "--dtype", args.dtype,
-            "--swap-threshold-bytes", str(swap_threshold(args))]
-    if args.threads:
-        argv += ["--threads", str(args.threads)]
-    if args.swap_wrapper:
-        argv.append("--swap-wrapper")
-    if args.trace:
-        argv += ["--trace", os.path.abspath(args.trace)]
-    return argv
+    """This command line again (its options were checked), for one mode in a process of its own."""
+    return [sys.executable, "-m", "hyper_parallel.bench", *args.argv, "--worker", mode]
 
 
 def run_mode(args, mode: str, progress: _Progress, base_done: int) -> Dict[str, Any]:
@@ -349,10 +326,21 @@ def memory_checks(results: List[Dict[str, Any]], swap_wrapper: bool) -> List[Dic
     return checks
 
 
-def format_swap_stats(results: List[Dict[str, Any]]) -> List[str]:
-    """One line of ``SwapManager().stats()`` per mode that swapped anything (whole run)."""
-    return [f"swap stats {r['mode']}: {report.swap_stats_line(r['stats'])}" for r in results
-            if "error" not in r and ((r.get("stats") or {}).get("offloaded_bytes") or r["stats"].get("kept_bytes"))]
+def format_swap_stats(results: List[Dict[str, Any]], exact: bool) -> List[str]:
+    """One line of ``SwapManager().stats()`` per mode that swapped anything (whole run), and what
+    the figures mean."""
+    swapped = [r for r in results if "error" not in r and ((r.get("stats") or {}).get("offloaded_bytes")
+                                                           or r["stats"].get("kept_bytes"))]
+    lines = [f"swap stats {r['mode']}: {report.swap_stats_line(r['stats'])}" for r in swapped]
+    if lines:
+        lines.append("swap stats are totals over all steps" + (
+            "; on a CPU build every chained layer is offloaded, the last one too" if exact else ""))
+    if any(r["stats"].get("loaded_bytes", 0) < r["stats"].get("offloaded_bytes", 0) for r in swapped):
+        lines.append("loaded < offloaded: a swapped tensor is loaded when backward reads it, and a recomputed layer "
+                     "stops recomputing once the tensors its backward still holds are back; which those are depends "
+                     "on when Python's garbage collector frees leftover pieces of the forward, so some swapped outputs "
+                     "are freed on the host unread (a margin that varies from run to run; equal with gc.disable())")
+    return lines
 
 
 def _fmt_losses(losses: Sequence[float]) -> str:
@@ -409,11 +397,8 @@ def reading(results: List[Dict[str, Any]], exact: bool) -> str:
     return f"reading: {low['mode']} has the lowest peak ({peak}){cost}; {losses}."
 
 
-def write_plot(path: str, results: List[Dict[str, Any]], title: str) -> bool:
-    ok, why = report.have_matplotlib()
-    if not ok:
-        print(f"--plot: {why}", file=sys.stderr)
-        return False
+def write_plot(path: str, results: List[Dict[str, Any]], title: str) -> None:
+    """The bar chart of ``results`` (matplotlib was checked with the options)."""
     rows = {}
     for r in results:
         if "error" in r:
@@ -424,7 +409,6 @@ def write_plot(path: str, results: List[Dict[str, Any]], title: str) -> bool:
                            "bytes_moved_per_step": {"d2h": r["offloaded_bytes"] / steps,
                                                     "h2d": (stats.get("loaded_bytes") or 0) / steps}}
     report.bar_chart(path, rows, title)
-    return True
 
 
 def run_comparison(args, parser) -> int:
@@ -464,7 +448,7 @@ def run_comparison(args, parser) -> int:
     print(format_table(results))
     print(mode_legend(results, args.swap_wrapper))
     print(reading(results, exact))
-    for line in format_swap_stats(results):
+    for line in format_swap_stats(results, exact):
         print(line)
     print("loss comparison: %s" % ("bitwise (cpu)" if exact else f"|diff| <= {LOSS_ATOL:g}"))
     for c in checks:
@@ -498,8 +482,8 @@ def run_comparison(args, parser) -> int:
         }
         report.write_json(args.json, doc)
     if args.plot:
-        if write_plot(args.plot, results, f"{kind} modes, {args.device}: {cfg_line}"):
-            print(f"plot written to {args.plot}")
+        write_plot(args.plot, results, f"{kind} modes, {args.device}: {cfg_line}")
+        print(f"plot written to {args.plot}")
 
     if failed:
         return 1
@@ -512,15 +496,69 @@ def run_comparison(args, parser) -> int:
     return 0
 
 
+def device_problem(name: str) -> Optional[str]:
+    """Why ``--device name`` cannot run here (``None``: it can): not a device this torch build knows,
+    or an accelerator type (or index) it does not have."""
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        return f"--device {name!r} is not a device torch {torch.__version__} knows: {str(exc).splitlines()[0]}"
+    if dev.type == "cpu":
+        return None
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is None or acc.type != dev.type:
+        return (f"--device {name}: this torch build ({torch.__version__}) has no {dev.type} device (it has "
+                f"{'a ' + acc.type if acc is not None else 'no accelerator'}); run with --device cpu")
+    if dev.index is not None and dev.index >= torch.accelerator.device_count():
+        return f"--device {name}: there are {torch.accelerator.device_count()} {dev.type} device(s)"
+    return None
+
+
+def _unwritable(folder: str) -> bool:
+    """Whether ``folder`` can neither be written nor created (its nearest existing ancestor is not
+    a writable directory)."""
+    folder = os.path.abspath(folder)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    return not (os.path.isdir(folder) and os.access(folder, os.W_OK))
+
+
+def check_options(args, parser: argparse.ArgumentParser) -> None:
+    """Every option, before any mode runs (a mistake found after minutes of training costs those
+    minutes): the sizes (as ``GPTConfig`` checks them), the modes, the device, matplotlib for
+    ``--plot`` and the folders the outputs go to. Exits through ``parser.error`` (status 2)."""
+    from hyper_parallel.bench.model import GPTConfig
+
+    if args.steps < 1 or args.batch < 1 or (args.threads is not None and args.threads < 1):
+        parser.error("--steps, --batch and --threads must be >= 1")
+    if args.timeout <= 0 or (args.swap_threshold_bytes is not None and args.swap_threshold_bytes < 0):
+        parser.error("--timeout must be > 0 and --swap-threshold-bytes >= 0")
+    try:
+        GPTConfig(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq,
+                  dropout=args.dropout)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.worker is None:
+        _mode_list(args, parser)
+    why = device_problem(args.device)
+    if why:
+        parser.error(why)
+    if args.plot and not report.have_matplotlib()[0]:
+        parser.error("--plot needs matplotlib, which is not installed: pip install -e '.[bench]' (or pip install "
+                     "matplotlib), or leave --plot out")
+    for flag, path, folder in (("--json", args.json, os.path.dirname), ("--plot", args.plot, os.path.dirname),
+                               ("--trace", args.trace, str)):
+        if path is not None and _unwritable(folder(path) or "."):
+            parser.error(f"{flag}: cannot write to {os.path.abspath(folder(path) or '.')}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if min(args.layers, args.dim, args.heads, args.seq, args.batch, args.vocab) < 1 or args.steps < 1:
-        parser.error("--layers, --dim, --heads, --seq, --batch, --vocab and --steps must be >= 1")
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be >= 1")
-    if args.dim % args.heads:
-        parser.error(f"--dim ({args.dim}) must be divisible by --heads ({args.heads})")
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    check_options(args, parser)
     if args.worker is not None:
         return run_worker(args)
     return run_comparison(args, parser)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, ClassVar, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -29,41 +29,41 @@ from torch import nn
 
 from hyper_parallel.bench.timing import timed
 
-__all__ = [
-    "GPTConfig",
-    "GPT",
-    "Block",
-    "Attention",
-    "MLP",
-    "make_batch",
-    "train_steps",
-]
+__all__ = ["GPTConfig", "GPT", "Block", "Attention", "MLP", "make_batch", "train_steps", "ResidualMLP",
+           "SmallOpsNet"]
 
 
 @dataclass
 class GPTConfig:
-    """Shape of the model.
-
-    ``seq`` is the maximum (and bench) sequence length; the causal mask buffer
-    has shape ``(seq, seq)``.
-    """
+    """Shape of the model (checked on construction: every size >= 1, ``dim`` divisible by
+    ``heads``, dropout in [0, 1))."""
 
     vocab: int = 512
+    """Vocabulary size (token embedding rows; the head is tied to it)."""
     dim: int = 256
+    """Model width."""
     heads: int = 4
+    """Attention heads (``dim // heads`` per head)."""
     layers: int = 4
+    """Transformer blocks in ``model.layers``."""
     seq: int = 256
-    dropout: float = 0.1
+    """The maximum (and bench) sequence length; the causal mask buffer is ``(seq, seq)``."""
+    #: the sizes above and ``mlp_ratio`` below, each checked to be >= 1
+    SIZES: ClassVar[Tuple[str, ...]] = ("vocab", "dim", "heads", "layers", "seq", "mlp_ratio")
     mlp_ratio: int = 4
+    """The feed-forward block's hidden width, as a multiple of ``dim``."""
+    dropout: float = 0.1
+    """Dropout probability of attention and residual branches."""
 
     def __post_init__(self) -> None:
+        name = type(self).__name__
         if self.dim % self.heads != 0:
             raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
-        for name in ("vocab", "dim", "heads", "layers", "seq", "mlp_ratio"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for field in self.SIZES:
+            if int(getattr(self, field)) < 1:
+                raise ValueError(f"{name}.{field} must be >= 1, got {getattr(self, field)}")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+            raise ValueError(f"{name}.dropout must be in [0, 1), got {self.dropout}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -266,6 +266,44 @@ def train_steps(
             if on_step is not None:
                 on_step(step, value)
     return losses
+
+
+class ResidualMLP(nn.Module):
+    """``x + fc2(gelu(fc1(norm(x))))`` on ``(..., dim)`` inputs: the block of :class:`SmallOpsNet`
+    (and of the pipeline example)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class SmallOpsNet(nn.Module):
+    """``blocks`` :class:`ResidualMLP` blocks in ``.layers`` on ``(batch, dim)`` inputs; the loss is
+    the mean square of the output. A block saves about eight small tensors, so the cost per saved
+    tensor dominates a step: the model of ``benchmarks/swap_overhead.py``. Deterministic from
+    ``seed`` (the global RNG untouched); ``model(*model.make_batch(batch, seed))`` is a loss."""
+
+    def __init__(self, blocks: int = 48, dim: int = 32, hidden: int = 64, seed: int = 0) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(seed))
+            self.layers = nn.ModuleList(ResidualMLP(dim, hidden) for _ in range(blocks))
+        self.dim = dim
+
+    def make_batch(self, batch: int, seed: int, device: Any = "cpu") -> Tuple[torch.Tensor]:
+        """A deterministic ``(x,)`` of shape ``(batch, dim)`` (the runner's batch form)."""
+        gen = torch.Generator(device="cpu").manual_seed(int(seed))
+        return (torch.randn(batch, self.dim, generator=gen).to(device),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
 
 
 class _NullContext:

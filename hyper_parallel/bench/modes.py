@@ -8,7 +8,11 @@ The benchmarks pick their rows from it:
 * ``python -m hyper_parallel.bench`` (``MODES``, the RFC's seven modes, and with ``--swap-wrapper``
   ``SWAP_WRAPPER_MODES``) under short mode names (``MODE_RECIPES``, ``SWAP_WRAPPER_RECIPES``);
 * ``benchmarks/compare_peers.py``: ``PEER_VARIANTS`` by default, any recipe by name;
-* ``benchmarks/recompute_vs_torch.py``: ``RECOMPUTE_VS_TORCH``.
+* ``benchmarks/recompute_vs_torch.py``: ``RECOMPUTE_VS_TORCH``;
+* ``benchmarks/swap_overhead.py``: ``OVERHEAD_VARIANTS`` (on ``SmallOpsNet``: ``copy_hooks`` and
+  ``torch_sac_copy`` are the peers doing what ours do on a CPU);
+* ``benchmarks/swap_memory.py``: ``MEMORY_VARIANTS``;
+* ``benchmarks/compile_vs_eager.py``: any recipe by name.
 
 Bench mode -> recipe: ``none``; ``recompute``, ``funcrecompute``, ``save``, ``funcsave``,
 ``swap``, ``funcswap`` -> ``ours_<mode>`` (``swap`` -> ``ours_ckpt_swap``: matmul outputs and
@@ -32,8 +36,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 __all__ = [
-    "Recipe", "RECIPES", "MODES", "SWAP_WRAPPER_MODES", "MODE_RECIPES", "SWAP_WRAPPER_RECIPES",
-    "PEER_VARIANTS", "RECOMPUTE_VS_TORCH", "DEFAULT_SWAP_THRESHOLD_BYTES", "MATMUL_OPS",
+    "Recipe", "RECIPES", "MODES", "SWAP_WRAPPER_MODES", "MODE_RECIPES", "SWAP_WRAPPER_RECIPES", "PEER_VARIANTS",
+    "RECOMPUTE_VS_TORCH", "OVERHEAD_VARIANTS", "MEMORY_VARIANTS", "DEFAULT_SWAP_THRESHOLD_BYTES", "MATMUL_OPS",
     "save_matmuls", "swap_matmuls", "swap_if_at_least", "chain_layers",
     "apply_variant", "apply_mode", "apply_swap_wrapper_mode", "ByteCounter", "CopyHooks",
     "sac_host_copy_contexts", "HooksLayer", "TorchCheckpointLayer",
@@ -187,53 +191,55 @@ class HooksLayer(nn.Module):
 @dataclass
 class ByteCounter:
     """Bytes a peer moved, device to host (``d2h``) and back (``h2d``), and how many tensors it
-    copied out (``tensors``; counted by :class:`CopyHooks` and :func:`sac_host_copy_contexts`)."""
+    copied out (``tensors``), counted by the peers' hooks. While ``mark`` is true the peers' host
+    copies are marked as host memory (``mark_host``) for the CPU memory meter: the runner sets it
+    for its metered step only, because marking costs about 20 us a tensor, the meter's cost, not
+    the peer's (the engine marks a pooled buffer once, when the pool allocates it)."""
 
     d2h: int = 0
     h2d: int = 0
     tensors: int = 0
+    mark: bool = False
+
+
+def _host_copy(t: torch.Tensor, counter: ByteCounter) -> torch.Tensor:
+    """A new tensor of ``t``'s size, dtype and strides holding its bytes (``torch.empty_like`` +
+    ``copy_``, as ``tensor.cpu()`` makes a host copy), counted out, and marked right after its
+    allocation while ``counter.mark``."""
+    host = torch.empty_like(t)
+    if counter.mark:
+        from hyper_parallel.tools.memory import mark_host
+
+        mark_host(host)
+    host.copy_(t)
+    counter.tensors += 1
+    counter.d2h += host.numel() * host.element_size()
+    return host
 
 
 class CopyHooks(torch.autograd.graph.saved_tensors_hooks):
     """A ``saved_tensors_hooks`` pair that copies every saved tensor out and back: what
     ``torch.autograd.graph.save_on_cpu`` does off-device, made to copy on a CPU-only machine too.
 
-    Pack: a new tensor of the same size, dtype and strides (``torch.empty_like`` + ``copy_``, as
-    ``tensor.cpu()`` makes the host copy in ``save_on_cpu(pin_memory=False)``), whatever the tensor
-    is (parameters included, as ``save_on_cpu`` does). Unpack: a copy of that (``clone``, as
-    ``.to(device)`` makes a new device tensor). Both count into ``counter`` (``tensors`` and ``d2h`` on pack, ``h2d`` on
-    unpack); with ``mark`` the host copy is marked as host memory (``mark_host``) for the CPU
-    memory meter, right after its allocation. Nothing is pinned (CPU)."""
+    Pack: :func:`_host_copy`, whatever the tensor is (parameters included, as ``save_on_cpu``
+    does). Unpack: a copy of that (``clone``, as ``.to(device)`` makes a new device tensor),
+    counted back. Nothing is pinned (CPU)."""
 
-    def __init__(self, counter: ByteCounter, mark: bool = False) -> None:
-        mark_host = None
-        if mark:
-            from hyper_parallel.tools.memory import mark_host
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            host = torch.empty_like(t)
-            if mark_host is not None:
-                mark_host(host)
-            host.copy_(t)
-            counter.tensors += 1
-            counter.d2h += host.numel() * host.element_size()
-            return host
-
+    def __init__(self, counter: ByteCounter) -> None:
         def unpack(host: torch.Tensor) -> torch.Tensor:
             counter.h2d += host.numel() * host.element_size()
             return host.clone()
 
-        super().__init__(pack, unpack)
+        super().__init__(functools.partial(_host_copy, counter=counter), unpack)
 
 
 class _HostCopyEntries(dict):
     """One op's entries of PyTorch's selective-checkpoint cache, held as host copies: a cached
     output is copied out when the forward stores it and copied back when the recompute takes it."""
 
-    def __init__(self, counter: ByteCounter, mark: bool) -> None:
+    def __init__(self, counter: ByteCounter) -> None:
         super().__init__()
         self._counter = counter
-        self._mark = mark
 
     def _map(self, entry: Any, out: bool) -> Any:
         from torch.utils._pytree import tree_map
@@ -242,18 +248,9 @@ class _HostCopyEntries(dict):
             val = getattr(w, "val", None)
             if not isinstance(val, torch.Tensor) or not hasattr(w, "get_val"):
                 return w  # a sentinel (recompute, consumed) or a non-tensor output
-            nbytes = val.numel() * val.element_size()
             if out:
-                host = torch.empty_like(val)
-                if self._mark:
-                    from hyper_parallel.tools.memory import mark_host
-
-                    mark_host(host)
-                host.copy_(val)
-                self._counter.tensors += 1
-                self._counter.d2h += nbytes
-                return type(w)(host)
-            self._counter.h2d += nbytes
+                return type(w)(_host_copy(val, self._counter))
+            self._counter.h2d += val.numel() * val.element_size()
             return type(w)(val.clone())
 
         return tree_map(copy_one, entry)
@@ -267,29 +264,28 @@ class _HostCopyEntries(dict):
 
 
 class _HostCopyStorage(dict):
-    def __init__(self, counter: ByteCounter, mark: bool) -> None:
+    def __init__(self, counter: ByteCounter) -> None:
         super().__init__()
         self._counter = counter
-        self._mark = mark
 
     def __missing__(self, key: Any) -> _HostCopyEntries:
-        entries = self[key] = _HostCopyEntries(self._counter, self._mark)
+        entries = self[key] = _HostCopyEntries(self._counter)
         return entries
 
 
-def sac_host_copy_contexts(policy_fn: Callable, counter: ByteCounter, mark: bool = False) -> Tuple[Any, Any]:
+def sac_host_copy_contexts(policy_fn: Callable, counter: ByteCounter) -> Tuple[Any, Any]:
     """``torch.utils.checkpoint.create_selective_checkpoint_contexts(policy_fn)`` whose cache holds
-    host copies: every output the policy saves is copied out (``torch.empty_like`` + ``copy_``)
-    when the forward caches it and copied back (``clone``) when the recompute takes it, counted in
-    ``counter`` (and marked as host memory with ``mark``). This is what an offloading selective
-    checkpoint does off-device: an outer ``save_on_cpu`` does not see these outputs (PyTorch keeps
-    them in the selective-checkpoint cache, not as saved tensors), so without this they would stay
-    on the device. Relies on both contexts keeping the cache as ``.storage`` (PyTorch 2.4+)."""
+    host copies: every output the policy saves is copied out (:func:`_host_copy`) when the forward
+    caches it and copied back (``clone``) when the recompute takes it, counted in ``counter``.
+    This is what an offloading selective checkpoint does off-device: an outer ``save_on_cpu`` does
+    not see these outputs (PyTorch keeps them in the selective-checkpoint cache, not as saved
+    tensors), so without this they would stay on the device. Relies on both contexts keeping the
+    cache as ``.storage`` (PyTorch 2.4+)."""
     caching, cached = torch.utils.checkpoint.create_selective_checkpoint_contexts(policy_fn)
     if not (hasattr(caching, "storage") and hasattr(cached, "storage")):
         raise RuntimeError(f"torch {torch.__version__}: the selective-checkpoint contexts keep no .storage; "
                            "the host-copying peer cannot be built")
-    storage = _HostCopyStorage(counter, mark)
+    storage = _HostCopyStorage(counter)
     caching.storage = cached.storage = storage
     return caching, cached
 
@@ -297,27 +293,22 @@ def sac_host_copy_contexts(policy_fn: Callable, counter: ByteCounter, mark: bool
 def count_hooks(hooks: Any, counter: ByteCounter, *, model_device_on_cpu: bool) -> Any:
     """Wrap the pack/unpack hooks of a ``save_on_cpu``-like ``saved_tensors_hooks`` instance whose
     packed value is ``(device, host_tensor)``: count the bytes moved, and on a CPU-only machine
-    model the device<->host traffic: the host copy is marked as host memory (and made, where
-    ``tensor.cpu()`` skips it for a CPU tensor), and the reload is a new device tensor."""
-    from hyper_parallel.tools.memory import is_host_storage, mark_host
-
+    model the device<->host traffic: the host copy is made where ``tensor.cpu()`` skips it for a
+    CPU tensor (and marked while ``counter.mark``), and the reload is a new device tensor."""
     pack, unpack = hooks.pack_hook, hooks.unpack_hook
 
     def pack_hook(t: torch.Tensor) -> Any:
         dev, host = pack(t)
         if model_device_on_cpu:
-            if host.untyped_storage()._cdata == t.untyped_storage()._cdata:
-                host = t.detach().clone()  # what tensor.cpu() would copy off a real device
-            mark_host(host)
+            return dev, _host_copy(t, counter)  # what tensor.cpu() would copy off a real device
+        counter.tensors += 1
         counter.d2h += host.numel() * host.element_size()
         return dev, host
 
     def unpack_hook(packed: Any) -> torch.Tensor:
         out = unpack(packed)
         counter.h2d += out.numel() * out.element_size()
-        if model_device_on_cpu and is_host_storage(out):
-            out = out.clone()  # the reload is a new device tensor
-        return out
+        return out.clone() if model_device_on_cpu else out  # (on CPU .to(device) returns the host copy)
 
     hooks.pack_hook, hooks.unpack_hook = pack_hook, unpack_hook
     return hooks
@@ -331,6 +322,7 @@ def count_torchtune_hooks(hooks: Any, counter: ByteCounter) -> Any:
         tid = pack(t)
         entry = hooks.tracker.get(tid)
         if entry is not None and entry[1]:
+            counter.tensors += 1
             counter.d2h += t.numel() * t.element_size()
         return tid
 
@@ -444,6 +436,19 @@ def _save_on_cpu(model, device, threshold):
     return counter
 
 
+def _copy_hooks(model, device, threshold):
+    counter = ByteCounter()
+    _each_layer(model, lambda layer: HooksLayer(layer, lambda: CopyHooks(counter)))
+    return counter
+
+
+def _torch_sac_copy(model, device, threshold):
+    counter = ByteCounter()
+    _each_layer(model, lambda layer: HooksLayer(layer, lambda: CopyHooks(counter),
+                                                context_fn=lambda: sac_host_copy_contexts(_torch_policy, counter)))
+    return counter
+
+
 def _torchtune(checkpointed: bool):
     def apply(model, device, threshold):
         cls, reason = torchtune_offload_class(device)
@@ -463,6 +468,14 @@ RECIPES: Dict[str, Recipe] = {r.name: r for r in [
            _torch_ckpt(True)),
     Recipe("save_on_cpu", "peer", "torch.autograd.graph.save_on_cpu per layer (pin_memory on accelerators)",
            _save_on_cpu, offloads=True),
+    Recipe("copy_hooks", "peer", "saved_tensors_hooks per layer copying every saved tensor (parameters too) out "
+                                 "(torch.empty_like + copy_) and back (clone): save_on_cpu's work, also on a CPU "
+                                 "(a CPU yardstick: on an accelerator the copy stays on the device)",
+           _copy_hooks, offloads=True),
+    Recipe("torch_sac_copy", "peer", "torch_sac whose cached matmul outputs are copied out and back "
+                                     "(sac_host_copy_contexts), inside copy_hooks (which copy the layer input the "
+                                     "checkpoint saves): what ours_ckpt_swap moves",
+           _torch_sac_copy, offloads=True),
     Recipe("torchtune_offload", "peer", "torchtune OffloadActivations around each layer (streams, pinned)",
            _torchtune(False), offloads=True),
     Recipe("torchtune_offload_ckpt", "peer", "torchtune OffloadActivations + torch.utils.checkpoint per layer "
@@ -480,12 +493,13 @@ RECIPES: Dict[str, Recipe] = {r.name: r for r in [
     Recipe("ours_ckpt_swap", "ours", "checkpoint_wrapper(layer, policy_fn=swap_matmuls, swap_inputs=True), layers "
                                      "chained: matmul outputs + inputs swapped, the rest recomputed",
            _wrapped(True, policy_fn=swap_matmuls, swap_inputs=True), offloads=True,
-           counterparts=("save_on_cpu", "torchtune_offload", "torchtune_offload_ckpt")),
+           counterparts=("save_on_cpu", "torch_sac_copy", "torchtune_offload", "torchtune_offload_ckpt")),
     Recipe("ours_funcswap", "ours", "checkpoint_wrapper(policy_fn=swap_matmuls, swap_inputs=True) on attn.forward "
                                     "and mlp.forward, layers chained",
            _functions(True, policy_fn=swap_matmuls, swap_inputs=True), offloads=True),
     Recipe("ours_swap_wrapper", "ours", "swap_wrapper(layer), layers chained: every saved tensor swapped",
-           _wrapped(True, swap=True), offloads=True, counterparts=("save_on_cpu", "torchtune_offload")),
+           _wrapped(True, swap=True), offloads=True,
+           counterparts=("save_on_cpu", "copy_hooks", "torchtune_offload")),
     Recipe("ours_recompute_swapin", "ours", "checkpoint_wrapper(layer, swap_inputs=True), layers chained: "
                                             "whole-layer recompute, checkpoint inputs swapped",
            _wrapped(True, swap_inputs=True), offloads=True, counterparts=("torchtune_offload_ckpt", "torch_ckpt")),
@@ -512,6 +526,11 @@ PEER_VARIANTS: Tuple[str, ...] = (
 #: ``benchmarks/recompute_vs_torch.py``'s rows (its names -> recipes).
 RECOMPUTE_VS_TORCH: Dict[str, str] = {"torch_full": "torch_ckpt", "ours_full": "ours_recompute",
                                       "torch_sac": "torch_sac", "ours_sac": "ours_save"}
+#: ``benchmarks/swap_overhead.py``'s rows (on ``SmallOpsNet``): ours and the peers doing the same work.
+OVERHEAD_VARIANTS: Tuple[str, ...] = ("none", "save_on_cpu", "copy_hooks", "ours_swap_wrapper", "torch_sac",
+                                      "torch_sac_copy", "ours_save", "ours_ckpt_swap")
+#: ``benchmarks/swap_memory.py``'s rows.
+MEMORY_VARIANTS: Tuple[str, ...] = ("none", "ours_recompute", "ours_ckpt_swap", "ours_swap_wrapper", "save_on_cpu")
 
 
 def apply_variant(model: nn.Module, name: str, *, device: Any = "cpu",

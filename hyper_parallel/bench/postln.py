@@ -16,40 +16,31 @@ compute attention with ``bmm`` + softmax (ops a policy can save or swap); with F
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyper_parallel.bench.model import GPTConfig
+
 __all__ = ["PostLNConfig", "PostLNLayer", "PostLNTransformer"]
 
 
 @dataclass
-class PostLNConfig:
-    """Shape of the post-LN transformer (``ffn_ratio * dim`` hidden units in the feed-forward)."""
+class PostLNConfig(GPTConfig):
+    """Shape of the post-LN transformer: :class:`~hyper_parallel.bench.model.GPTConfig`'s fields
+    (``mlp_ratio * dim`` hidden units in the feed-forward), its defaults scaled for a CPU, plus
+    whether attention is causal and ``need_weights``."""
 
-    vocab: int = 512
     dim: int = 256
-    heads: int = 4
     layers: int = 16
     seq: int = 128
-    ffn_ratio: int = 4
     dropout: float = 0.0
+    #: mask future positions
     causal: bool = True
+    #: ``nn.MultiheadAttention(..., need_weights=True)``: bmm + softmax instead of SDPA
     need_weights: bool = True
-
-    def __post_init__(self) -> None:
-        if self.dim % self.heads != 0:
-            raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
-        for name in ("vocab", "dim", "heads", "layers", "seq", "ffn_ratio"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"PostLNConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"PostLNConfig.dropout must be in [0, 1), got {self.dropout}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class _SelfAttention(nn.Module):
@@ -69,9 +60,9 @@ class _SelfAttention(nn.Module):
 class _FFN(nn.Module):
     def __init__(self, cfg: PostLNConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.dim, cfg.ffn_ratio * cfg.dim)
+        self.fc = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim)
         self.act = nn.ReLU()
-        self.proj = nn.Linear(cfg.ffn_ratio * cfg.dim, cfg.dim)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.act(self.fc(x)))
