@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .backend import Backend, active_backend
@@ -134,16 +133,13 @@ def _rebuild(original: type, kinds: Tuple[str, ...], method: str, anchor: Any = 
 _CLASS_CACHE: Dict[Tuple[str, type, Optional[SelfCheckpointing]], type] = {}
 
 
-def _call_through(module: Any, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``function(*args, **kwargs)``; bound to ``module`` it tells the region its owner."""
-    return function(*args, **kwargs)
-
-
 def _run_in_region(module: Any, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``function`` in the checkpoint region of a wrapped module of a
     :class:`SelfCheckpointing` family (the function such a module is handed)."""
-    return checkpoint(types.MethodType(_call_through, module), function, *args, policy_fn=module._hp_policy_fn,
-                      swap_inputs=module._hp_swap_inputs, **module._hp_checkpoint_options, **kwargs)
+    call = functools.partial(function)  # a fresh partial (a partial given is flattened into it) ...
+    call.__self__ = module  # ... that names the region's owner: its parameters and buffers are the module's
+    return checkpoint(call, *args, policy_fn=module._hp_policy_fn, swap_inputs=module._hp_swap_inputs,
+                      **module._hp_checkpoint_options, **kwargs)
 
 
 def _wrapped_class(kind: str, cls: type, method: str) -> type:
