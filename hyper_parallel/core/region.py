@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Optional, Tuple
 
+from .argument_state import watch_arguments
 from .backend import Backend, active_backend
 from .packer import SwapPacker, parameter_storages
 from .policy import as_policy_fn
@@ -124,6 +125,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None, 
         # Recomputation must not update buffers (BatchNorm's running statistics) a second time.
         region = SelectiveRegion(b, None, storage_factory, whole=True)
     frame = RegionFrame(region, SessionBoxes() if b.recompute_sessions else None)
+    watch = watch_arguments(b, function, args, kwargs)  # state the forward changes through an argument
 
     hooks: Any = contextlib.nullcontext()
     if swap_inputs and not _nested(b):
@@ -132,7 +134,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None, 
         hooks = SwapPacker(b, storage_factory(), None, parameter_storages(b, owner)).hooks()
     try:
         with hooks:
-            return b.run_checkpoint(function, args, kwargs, frame, options)
+            return watch.finish(b.run_checkpoint(function, args, kwargs, frame, options), frame)
     except Exception as err:
         if region is not None and region.policy_error is not None and region.policy_error is not err:
             raise region.policy_error from None  # an operator (a @ b) replaced it by its own message
