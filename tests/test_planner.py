@@ -209,7 +209,9 @@ class _Setup:
         self.minimum = self.planner.min_budget()[0]
 
     def measured(self, plan: MemoryPlan) -> int:
-        """The peak of one step of a fresh copy under ``plan``, as the CPU meter counts it."""
+        """The peak of one step of a fresh copy under ``plan``, as the CPU meter counts it, on
+        the profile's baseline (other tests' objects that died or appeared since the profile
+        shift the absolute count; the step's own memory is what a plan decides)."""
         model = copy.deepcopy(self.base)
         self.spare = None  # the fresh copy takes the spare's place
         MemoryPlan.from_json(plan.to_json(), list(model.layers)).apply()
@@ -219,7 +221,7 @@ class _Setup:
         with MemoryMeter("cpu") as meter:
             _loss(model, 0).backward()
         self.spare = model
-        return meter.peak_bytes
+        return meter.peak_bytes - meter.baseline_bytes + self.profile.baseline_bytes
 
 
 @pytest.fixture(scope="module")
