@@ -8,11 +8,6 @@ import torch
 
 from typing import Any, List, Sequence, Set, Tuple
 
-try:
-    from torch.distributed.fsdp import FSDPModule as _FSDPModule
-except ImportError:  # a build without torch.distributed
-    _FSDPModule = None
-
 __all__ = ["storage_key", "storage_keys", "version", "storage_use_count", "in_backward", "detach_keeping_version",
            "pipeline_stages", "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class", "innermost_saved_tensors_hooks",
            "functional_collective", "is_compiled_module",
@@ -117,9 +112,11 @@ def profiler_enabled() -> bool:
 
 
 def fsdp_module_class() -> Any:
-    """``FSDPModule`` (the class ``fully_shard`` mixes into a module), or ``None`` on a build
-    without ``torch.distributed``."""
-    return _FSDPModule
+    """``FSDPModule`` (the class ``fully_shard`` mixes into a module), or ``None`` while nothing
+    imported ``torch.distributed.fsdp``: no module can be sharded before that, and importing it
+    here would cost every process seconds (it pulls in DTensor and sympy)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
 
 
 def is_compiled_module(module: Any) -> bool:
