@@ -529,11 +529,11 @@ def test_host_limit_with_changing_shapes_reuses_idle_budget(fresh_manager):
     assert kept6 == 0
 
 
-# ------------------------------------------------------------------------------ synchronous load lane
-def test_load_synchronously_restores_layout_and_frees_the_host_buffer(fresh_manager):
-    """The one-call load of a backend without streams (the layer chain's load on use on CPU):
-    host -> device with the exact layout of every alias, the host buffer back in the pool, and
-    the reloaded bytes in memory of their own (the pool reuses the buffer at once)."""
+# ------------------------------------------------------------------------------ load on use
+def test_load_now_restores_layout_and_frees_the_host_buffer(fresh_manager):
+    """The layer chain's load on use (one storage when autograd unpacks it): host -> device with
+    the exact layout of every alias, the host buffer back in the pool, and the reloaded bytes in
+    memory of their own (the pool reuses the buffer at once)."""
     mgr = fresh_manager
     storage = mgr.new_storage("g")
     base = _fresh(8)
@@ -547,9 +547,10 @@ def test_load_synchronously_restores_layout_and_frees_the_host_buffer(fresh_mana
     mgr.wait_offload("g")
     assert st.state is TensorState.HOST
     host = st._host
-    st.load_synchronously()
+    mgr._group("g").load_now(st)
     assert st.state is TensorState.DEVICE
     assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
+    assert mgr.stats()["loaded_bytes"] == base.nbytes and mgr.stats()["load_launches"] == 1
     got_whole, got_part = whole.get_val(), part.get_val()
     expected_part = base[2:, 1:].t()
     assert torch.equal(got_whole, base) and torch.equal(got_part, expected_part)
@@ -560,13 +561,13 @@ def test_load_synchronously_restores_layout_and_frees_the_host_buffer(fresh_mana
     assert torch.equal(whole.get_val(), base)
 
 
-def test_load_synchronously_refuses_other_states_and_bucket_members(fresh_manager):
+def test_load_now_loads_only_a_tensor_on_the_host_and_a_bucket_whole(fresh_manager):
     mgr = fresh_manager
     storage = mgr.new_storage("g")
     view = storage.add_swap(_fresh() * 1)
     st = view._swap_tensor
-    with pytest.raises(RuntimeError, match="load_synchronously on a tensor in state 'device'"):
-        st.load_synchronously()
+    mgr._group("g").load_now(st)  # on the device: nothing to do
+    assert st.state is TensorState.DEVICE and mgr.stats()["load_launches"] == 0
     mgr.set_bucket_bytes(1 << 20)
     storage = mgr.new_storage("b")
     views = [storage.add_swap(_fresh(4, seed=i) * 1) for i in range(3)]
@@ -574,25 +575,10 @@ def test_load_synchronously_refuses_other_states_and_bucket_members(fresh_manage
     mgr.wait_offload("b")
     member = views[0]._swap_tensor
     assert member.bucket is not None and member.state is TensorState.HOST
-    with pytest.raises(RuntimeError, match=r"state 'host' \(in a bucket\)"):
-        member.load_synchronously()
-    mgr.launch_load("b")
-    mgr.wait_load("b")
+    mgr._group("b").load_now(member)  # its siblings share its copy: they come back with it
+    assert all(v._swap_tensor.state is TensorState.DEVICE for v in views)
     assert all(torch.equal(v.get_val(), _fresh(4, seed=i)) for i, v in enumerate(views))
-
-
-def test_load_bytes_returns_a_copy_on_the_device(fresh_manager):
-    """``Backend.load_bytes`` (one call per reloaded storage on CPU): new memory with the host
-    buffer's bytes; torch's ``Tensor.to`` would return the buffer itself on CPU without ``copy=True``."""
-    b = fresh_manager.backend
-    like = b.view_meta(_fresh())
-    host = b.empty_host_bytes(64)
-    host.copy_(torch.arange(64, dtype=torch.uint8))
-    dev = b.load_bytes(host, 64, like)
-    assert dev.dtype == torch.uint8 and dev.numel() == 64
-    assert dev.untyped_storage().data_ptr() != host.untyped_storage().data_ptr()
-    host.fill_(7)
-    assert torch.equal(dev, torch.arange(64, dtype=torch.uint8))
+    assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
 
 
 def test_copy_stream_lookup_is_cached_even_without_streams(fresh_manager, monkeypatch):
@@ -605,22 +591,6 @@ def test_copy_stream_lookup_is_cached_even_without_streams(fresh_manager, monkey
                         lambda self, device=None: calls.append(device) or real(self, device))
     first = mgr._copy_stream_for(None)
     assert mgr._copy_stream_for(None) is first and len(calls) == 1
-
-
-def test_offload_synchronously_only_without_streams(fresh_manager):
-    """The one-call offload hands host buffers back and drops sources as soon as a copy call
-    returns: only valid where copies are synchronous; with streams it refuses."""
-    mgr = fresh_manager
-    storage = mgr.new_storage("g")
-    view = storage.add_swap(_fresh() * 1)
-    group = mgr._group("g")
-    if mgr.copies_overlap():
-        with pytest.raises(RuntimeError, match="offload_synchronously needs a backend without streams"):
-            group.offload_synchronously()
-        assert view._swap_tensor.state is TensorState.DEVICE
-    else:
-        group.offload_synchronously()
-        assert view._swap_tensor.state is TensorState.HOST and not group.offload_pending
 
 
 @pytest.mark.parametrize("bad", [3, ""])

@@ -213,35 +213,26 @@ def counting_offloads() -> Iterator[Dict[str, int]]:
     """Count the swapped tensors (storages whose device-to-host copy started) and the
     host-to-device copies issued to bring them back (one per bucket of small storages, or per
     storage) while inside: the engine's ``SwapManager().stats()`` counts bytes and launches, not
-    tensors or copies. Instruments the two ways out (``SwapTensor.start_offload``, and
-    ``offload_synchronously`` where copies are synchronous) and back (``copy_in``,
-    ``load_synchronously``) for the duration (use it around an untimed step)."""
+    tensors or copies. Instruments the way out (``SwapTensor.start_offload``) and back
+    (``copy_in``) for the duration (use it around an untimed step)."""
     from hyper_parallel.core import swap_tensor
 
     cls = swap_tensor.SwapTensor
-    originals = {name: getattr(cls, name) for name in
-                 ("start_offload", "offload_synchronously", "copy_in", "load_synchronously")}
+    originals = {name: getattr(cls, name) for name in ("start_offload", "copy_in")}
     counts = {"tensors": 0, "bytes": 0, "copies_back": 0}
 
     def out(name):
         def counted(self, *args, **kwargs):
-            kept = originals[name](self, *args, **kwargs)  # (offload_synchronously: why it stayed, or None)
-            if kept is None:
-                counts["tensors"] += 1
-                counts["bytes"] += int(self.nbytes)
-            return kept
+            originals[name](self, *args, **kwargs)
+            counts["tensors"] += 1
+            counts["bytes"] += int(self.nbytes)
         return counted
 
     def copy_in(self, copy_stream, issue=True):
         originals["copy_in"](self, copy_stream, issue)
         counts["copies_back"] += int(issue)
 
-    def load_synchronously(self):
-        originals["load_synchronously"](self)
-        counts["copies_back"] += 1
-
-    cls.start_offload, cls.offload_synchronously = out("start_offload"), out("offload_synchronously")
-    cls.copy_in, cls.load_synchronously = copy_in, load_synchronously
+    cls.start_offload, cls.copy_in = out("start_offload"), copy_in
     try:
         yield counts
     finally:

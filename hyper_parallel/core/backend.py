@@ -236,16 +236,6 @@ class Backend(abc.ABC):
         (compute) stream."""
         ...
 
-    def load_bytes(self, host: Tensor, nbytes: int, like: ViewMeta) -> Tensor:
-        """A new byte tensor on the device of ``like`` (allocated for the current stream) holding
-        the ``nbytes`` of the host byte buffer ``host``, copied on the current stream: what a
-        synchronous load (a backend without streams) does; the host buffer may be reused as soon
-        as this returns. The default is :meth:`empty_device_bytes` + :meth:`copy_bytes`; a
-        framework that allocates and copies in one call should do that."""
-        dev = self.empty_device_bytes(nbytes, like)
-        self.copy_bytes(dev, host)
-        return dev
-
     @abc.abstractmethod
     def empty_host_bytes(self, nbytes: int) -> Tensor:
         """``nbytes`` host bytes, page-locked where the framework offers it (asynchronous copies)."""
@@ -315,11 +305,6 @@ class Backend(abc.ABC):
     def trace_range(self, name: str) -> ContextManager[Any]:
         """A named range in the framework's profiler trace; costs nothing unless a profiler records."""
         ...
-
-    def tracing(self) -> bool:
-        """Whether :meth:`trace_range` may open a range now. Paths that run once per tensor skip
-        the ``with`` (a few calls) when this is false. The default: always true."""
-        return True
 
     # ------------------------------------------------------------------ random numbers
     @abc.abstractmethod

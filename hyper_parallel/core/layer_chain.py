@@ -50,7 +50,7 @@ class _Forward:
         # backward-use order, the reverse); a plain list is cheaper to make than a WeakSet.
         self._refs: List[weakref.ref] = []
         self.prev = weakref.ref(prev) if prev is not None else None
-        #: ``SwapManager._waits_offload_at_once()`` when the forward started (asked once per call)
+        #: ``LayerChain.follows_memory()`` when the forward started (asked once per call)
         self.at_once = at_once
 
     def add(self, storage: Any) -> None:
@@ -149,6 +149,11 @@ class LayerChain:
         self._m = manager
         self._links: "weakref.WeakKeyDictionary[Any, _Link]" = weakref.WeakKeyDictionary()
         self._count = 0
+
+    def follows_memory(self) -> bool:
+        """Whether a forward starting now follows memory (see the module docstring): copies are
+        synchronous and the prefetch budget loads on demand."""
+        return not self._m.copies_overlap() and self._m.prefetch_budget() == 0
 
     def group_name(self, layer: Any) -> Optional[str]:
         link = self._links.get(layer)
@@ -268,7 +273,7 @@ class LayerChain:
         link.saved_group_names.append(self._m._current_group_name)
         self._m._switch_group(link.name)
         group = self._m._group(link.name)
-        at_once = self._m._waits_offload_at_once()
+        at_once = self.follows_memory()
         if at_once:
             # Copies are synchronous: what the layer saved and the forward has dropped goes to the
             # host as the layer runs (checked once per EARLY_OFFLOAD_CHUNK saved bytes, so that
@@ -299,8 +304,9 @@ class LayerChain:
             # Copies are synchronous (no copy stream): waiting now loses no overlap and frees this
             # layer's device memory one layer earlier; for the same reason the last layer is
             # offloaded too (its backward loads each tensor when used), so the head's forward and
-            # backward do not run next to it. The launch and its wait are one call.
-            self._m._offload_at_once(link.name)
+            # backward do not run next to it.
+            self._m.launch_offload(link.name)
+            self._m.wait_offload(link.name)
         elif has_next:
             self._m.launch_offload(link.name)
         prev = link.prev() if link.prev is not None else None
@@ -315,7 +321,9 @@ class LayerChain:
             # after the last layer, where nothing would wait for it before backward), or at once
             # where copies are synchronous.
             if has_next and prev_group.has_retryable():
-                self._m._retry_offload(prev_group.name, record.at_once)
+                self._m._retry_offload(prev_group.name)
+                if record.at_once:
+                    self._m.wait_offload(prev_group.name)
             before = prev_link.prev() if prev_link.prev is not None else None
             if before is not None:
                 before_group = self._m._group(self._links[before].name)

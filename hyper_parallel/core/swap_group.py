@@ -16,11 +16,6 @@ from .swap_tensor import SwapTensor, TensorState
 __all__ = ["SwapGroup", "GroupStats"]
 
 
-def _no_copy_stream(device: Any) -> None:
-    """``copy_streams`` of a backend without streams."""
-    return None
-
-
 def _by_device(tensors: List[SwapTensor]) -> Dict[Any, List[SwapTensor]]:
     """``tensors`` grouped by their device, in order (streams and events are per device)."""
     out: Dict[Any, List[SwapTensor]] = {}
@@ -74,6 +69,27 @@ class GroupStats:
         }
 
 
+class _InFlight:
+    """The copies of one direction (D2H or H2D) issued since they were last waited: the tensors,
+    and per device and launch the event recorded after their copies. ``pending``: a launch
+    happened since the last wait (what the wait checks; also true for a launch that found nothing
+    to copy)."""
+
+    __slots__ = ("tensors", "events", "pending")
+
+    def __init__(self) -> None:
+        # Strong references: a tensor whose region died in flight is still waited, then freed
+        # (``SwapGroup.forget_in_flight`` drops them when nothing will wait).
+        self.tensors: List[SwapTensor] = []
+        self.events: List[Any] = []
+        self.pending = False
+
+    def clear(self) -> None:
+        self.tensors.clear()
+        self.events.clear()
+        self.pending = False
+
+
 class SwapGroup:
     """All storages added under one name; one copy event per direction and launch.
 
@@ -91,9 +107,11 @@ class SwapGroup:
     event (so it can be waited) and every other tensor where it was.
     """
 
-    def __init__(self, name: str, backend: Backend, stats: GroupStats, pool: Any, persistent: bool = False,
-                 lock: Any = None) -> None:
+    def __init__(self, name: str, backend: Backend, stats: GroupStats, pool: Any,
+                 copy_streams: Callable[[Any], Any], persistent: bool = False, lock: Any = None) -> None:
         self.name = name
+        #: ``copy_streams(device)``: the manager's copy stream of a device, what launches use by default
+        self._copy_streams = copy_streams
         #: the manager's lock (re-entrant): :meth:`load_now` runs from autograd, outside the manager
         self._lock = lock if lock is not None else threading.RLock()
         #: set once the manager has forgotten this group (its tensors are not loaded on use any more)
@@ -111,19 +129,14 @@ class SwapGroup:
         # Weak references in the order the storages were added (loads go in backward-use order,
         # the reverse of it); plain refs are much cheaper to walk than a weak container.
         self._storages: List[weakref.ref] = []
-        self._offload_events: List[Any] = []
-        self._load_events: List[Any] = []
-        # What the launches since the last wait started (strong references: a tensor whose region
-        # died in flight is still waited, then freed; ``forget_in_flight`` drops them when nothing
-        # will wait), and the tensors the last offload
-        # launch skipped because somebody else held them: the waits and the layer chain's retry
-        # look at these instead of walking every storage of the group.
-        self._in_d2h: List[SwapTensor] = []
-        self._in_h2d: List[SwapTensor] = []
+        # What the launches since the last wait issued, and the tensors the last offload launch
+        # skipped because somebody else held them: the waits and the layer chain's retry look at
+        # these instead of walking every storage of the group.
+        self._d2h = _InFlight()
+        self._h2d = _InFlight()
+        self._on_use = _InFlight()  # the load of one tensor on use (launched and waited at once, under the lock)
         self._skipped_shared: List[SwapTensor] = []
-        self.offload_pending = False
         self.offload_cancelled = False  # launch_load cancelled an offload in flight (for wait_offload's message)
-        self.load_pending = False
         # Given to the tensors this group offloads (``SwapTensor.load_on_use``): set by the layer
         # chain where copies are synchronous, so that backward loads each tensor when it is used.
         self.load_on_use: Optional[Callable[[SwapTensor], None]] = None
@@ -131,6 +144,16 @@ class SwapGroup:
         # set by the layer chain where copies are synchronous.
         self.on_saved: Optional[Callable[[Any], None]] = None
         self.early_chunk = 0
+
+    @property
+    def offload_pending(self) -> bool:
+        """An offload was launched and not waited yet."""
+        return self._d2h.pending
+
+    @property
+    def load_pending(self) -> bool:
+        """A load was launched and not waited yet."""
+        return self._h2d.pending
 
     # ------------------------------------------------------------------ content
     def add(self, storage: Any, new: bool = False) -> None:
@@ -194,12 +217,9 @@ class SwapGroup:
     def forget_in_flight(self) -> None:
         """Every storage of the group died: nothing can wait for its copies any more (their host
         buffers went back to the pool guarded by their events), so drop the pending state."""
-        self._offload_events.clear()
-        self._load_events.clear()
-        self._in_d2h.clear()
-        self._in_h2d.clear()
+        self._d2h.clear()
+        self._h2d.clear()
         self._skipped_shared.clear()
-        self.offload_pending = self.load_pending = False
 
     # ------------------------------------------------------------------ ordering points
     def _order_d2h_after_producers(self, copy_stream: Any, device: Any, tensors: List[SwapTensor]) -> None:
@@ -214,79 +234,46 @@ class SwapGroup:
         for s in streams:
             p.wait_event(copy_stream, p.record_event(s))
 
-    def _order_release_after_d2h(self, device: Any, event: Any) -> None:
-        """Compute waits the D2H before the sources are released (their blocks go back to the
-        compute stream's pool at once)."""
-        self._b.wait_event(self._b.current_stream(device), event)
+    def _order_release_after_d2h(self, compute: Any, event: Any) -> None:
+        """Compute (the current stream of the sources' device) waits the D2H before the sources
+        are released (their blocks go back to the compute stream's pool at once)."""
+        self._b.wait_event(compute, event)
 
-    def _order_h2d_after_allocation(self, copy_stream: Any, device: Any) -> None:
+    def _order_h2d_after_allocation(self, copy_stream: Any, compute: Any) -> None:
         """The allocator may hand the destinations memory that pending compute work still uses:
-        the copy stream waits compute after they are allocated."""
-        p = self._b
-        p.wait_event(copy_stream, p.record_event(p.current_stream(device)))
+        the copy stream waits compute (the stream that allocated them) after the allocations."""
+        self._b.wait_event(copy_stream, self._b.record_event(compute))
 
-    def _order_use_after_h2d(self, device: Any, event: Any) -> None:
-        """Compute waits the H2D before it uses the reloaded tensors."""
-        self._b.wait_event(self._b.current_stream(device), event)
+    def _order_use_after_h2d(self, compute: Any, event: Any) -> None:
+        """Compute (the current stream of the destinations' device) waits the H2D before it uses
+        the reloaded tensors."""
+        self._b.wait_event(compute, event)
 
     # ------------------------------------------------------------------ offload
-    def launch_offload(self, copy_streams: Callable[[Any], Any]) -> None:
-        """``copy_streams(device)``: the copy stream to use for the storages of ``device``."""
+    def launch_offload(self, copy_streams: Optional[Callable[[Any], Any]] = None) -> None:
+        """``copy_streams(device)``: the copy stream to use for the storages of ``device``
+        (default: the manager's)."""
         with self._b.trace_range(self._ranges["launch_offload"]):
-            self._launch_offload(copy_streams)
+            self._launch_offload(copy_streams or self._copy_streams)
 
-    def retry_offload(self, copy_streams: Callable[[Any], Any]) -> None:
+    def retry_offload(self) -> None:
         """Launch the offload of the tensors the last launch skipped as held elsewhere and that
         are worth one more try (``SwapTensor.retryable``: a layer input, free once the caller
         moved on), each by itself: a second look at only these, not a walk of the whole group."""
         with self._b.trace_range(self._ranges["launch_offload"]):
-            self._launch_offload(copy_streams, runs=self.retry_runs())
+            self._launch_offload(self._copy_streams, runs=[[t] for t in self._skipped_shared if t.retryable])
 
-    def retry_runs(self) -> List[List[SwapTensor]]:
-        """What :meth:`retry_offload` launches, one tensor per run (for :meth:`offload_synchronously`)."""
-        return [[t] for t in self._skipped_shared if t.retryable]
-
-    def offload_synchronously(self, runs: Optional[List[List[SwapTensor]]] = None) -> None:
-        """``launch_offload`` and ``wait_offload`` in one call, where copies are synchronous (the
-        backend has no copy stream: the layer chain's CPU schedule, which waits every offload at
-        once): each tensor cleared to go is copied to a host buffer and its source dropped as it
-        goes (``SwapTensor.offload_synchronously``), with nothing to order, no event and nothing
-        left in flight. ``runs`` as for ``_launch_offload`` (default: the whole group). With
-        bucketing on, the launch and the wait themselves. Only valid without streams (a host
-        buffer is reused, and a source dropped, as soon as its copy call returns)."""
-        if self._b.current_stream() is not None:
-            raise RuntimeError(f"swap group '{self.name}': offload_synchronously needs a backend without streams "
-                               "(copies are synchronous); use launch_offload and wait_offload.")
-        if runs is None:
-            runs = self._offload_runs()
-        if self.bucket_bytes:
-            with self._b.trace_range(self._ranges["launch_offload"]):
-                self._launch_offload(_no_copy_stream, runs)
-            self.wait_offload()
-            return
-        if self._b.tracing():  # (a range's context costs calls even when nobody records)
-            with self._b.trace_range(self._ranges["launch_offload"]):
-                self._offload_each(runs)
-        else:
-            self._offload_each(runs)
-        self.offload_cancelled = False
-
-    def _offload_each(self, runs: List[List[SwapTensor]]) -> None:
-        """The body of :meth:`offload_synchronously` without buckets: each storage by itself."""
-        skipped: List[SwapTensor] = []
-        self._skipped_shared = skipped
-        pool = self._pool
-        try:
-            for run in runs:
-                for t in run:
-                    skipped_before = t.shared_skips
-                    reason = t.offload_synchronously(pool)
-                    if reason is None:
-                        self._offloaded(t)
-                    else:
-                        self._not_offloaded(t, reason, skipped_before, skipped)
-        finally:
-            self.stats.offload_launches += 1
+    def offload_dropped(self, storage: Any) -> None:
+        """Offload the tensors of ``storage`` that only the swap system still holds (the forward
+        dropped them: ``Storage.dropped``) and wait at once: the layer chain's early offload where
+        copies are synchronous, during the forward that saves them. Nothing while an offload of
+        the group is in flight."""
+        if not self.offload_pending:
+            dead = storage.dropped()
+            if dead:
+                with self._b.trace_range(self._ranges["launch_offload"]):
+                    self._launch_offload(self._copy_streams, runs=[dead])
+                self.wait_offload()
 
     def _cleared(self, t: SwapTensor, skipped: List[SwapTensor]) -> bool:
         """Whether ``t`` can be offloaded now (``SwapTensor.offload_reason``); if not, see
@@ -330,7 +317,6 @@ class SwapGroup:
 
     def _launch_offload(self, copy_streams: Callable[[Any], Any], runs: Optional[List[List[SwapTensor]]] = None) -> None:
         """``runs``: the tensors to consider, one list per storage (default: the whole group's)."""
-        p = self._b
         if runs is None:
             runs = self._offload_runs()
         skipped: List[SwapTensor] = []
@@ -338,28 +324,33 @@ class SwapGroup:
         try:
             for device, tensors in _by_device([t for run in runs for t in run]).items():
                 copy_stream = copy_streams(device)
-                if copy_stream is not None:  # (None: copies are synchronous, nothing to order)
-                    self._order_d2h_after_producers(copy_stream, device, tensors)
+                self._order_d2h_after_producers(copy_stream, device, tensors)
                 started: List[SwapTensor] = []
                 try:
-                    with p.stream_context(copy_stream):
+                    with self._b.stream_context(copy_stream):
                         for run in runs:
                             ready = [t for t in run if t.device == device and self._cleared(t, skipped)]
                             self._start_offloads(ready, copy_stream, started)
-                finally:
-                    if started:  # even if a later tensor failed: these copies are queued
-                        event = p.record_event(copy_stream)
-                        for t in started:
-                            if event is not None:
-                                t.set_copy_event(event)
-                            self._offloaded(t)
-                        self._in_d2h.extend(started)
-                        self._offload_events.append((device, event))
-                        self.offload_pending = True
+                finally:  # even if a later tensor failed: these copies are queued
+                    self._issued(self._d2h, started, copy_stream, device)
+                    for t in started:
+                        self._offloaded(t)
         finally:
             self.stats.offload_launches += 1
-        self.offload_pending = True
+        self._d2h.pending = True
         self.offload_cancelled = False
+
+    def _issued(self, flight: _InFlight, tensors: List[SwapTensor], copy_stream: Any, device: Any) -> None:
+        """The copies of ``tensors`` (on ``device``) were queued on ``copy_stream``: the event
+        recorded after them guards their host buffers (``SwapTensor.set_copy_event``), and the
+        wait of ``flight`` waits it."""
+        if tensors:
+            event = self._b.record_event(copy_stream)
+            for t in tensors:
+                t.set_copy_event(event)
+            flight.tensors.extend(tensors)
+            flight.events.append((device, event))
+            flight.pending = True
 
     def _start_offloads(self, ready: List[SwapTensor], copy_stream: Any, started: List[SwapTensor]) -> None:
         """Issue the D2H copies of ``ready`` (one storage's tensors cleared to go, in save order):
@@ -407,34 +398,49 @@ class SwapGroup:
             raise RuntimeError(
                 f"wait_offload('{self.name}') called but no offload of group '{self.name}' is in flight; "
                 f"call SwapManager().launch_offload('{self.name}') first.")
+        self.stats.wait_offload_s += self._wait(self._d2h, "wait_offload", self._order_release_after_d2h,
+                                                TensorState.D2H, SwapTensor.wait_offload)
+
+    def _wait(self, flight: _InFlight, kind: str, order: Callable[[Any, Any], None], state: TensorState,
+              arrived: Callable[[SwapTensor, Any], None]) -> float:
+        """Wait ``flight``: on each device the current stream waits the launches' events
+        (``order``, an ordering point), then each tensor still in ``state`` (not cancelled since)
+        is told that stream waited (``arrived(tensor, waiter)``). Returns the host seconds spent."""
         t0 = time.perf_counter()
-        with self._b.trace_range(self._ranges["wait_offload"]):
-            for device, event in self._offload_events:
-                if event is not None:  # (None: copies are synchronous, nothing to order)
-                    self._order_release_after_d2h(device, event)
-            waiters: Dict[Any, Any] = {}
-            for t in self._in_d2h:
-                if t.state is not TensorState.D2H:  # cancelled by a load since
-                    continue
-                if t.device not in waiters:
-                    waiters[t.device] = self._b.current_stream(t.device)
-                t.wait_offload(waiters[t.device])
-        self._in_d2h.clear()
-        self._offload_events.clear()
-        self.offload_pending = False
-        self.stats.wait_offload_s += time.perf_counter() - t0
+        with self._b.trace_range(self._ranges[kind]):
+            waiters: Dict[Any, Any] = {}  # device -> its current stream (every tensor's device has an event)
+            for device, event in flight.events:
+                if device not in waiters:
+                    waiters[device] = self._b.current_stream(device)
+                order(waiters[device], event)
+            for t in flight.tensors:
+                if t.state is state:
+                    arrived(t, waiters[t.device])
+        flight.clear()
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ load
-    def launch_load(self, copy_streams: Callable[[Any], Any], storages: Optional[Sequence[Any]] = None,
+    def launch_load(self, copy_streams: Optional[Callable[[Any], Any]] = None, storages: Optional[Sequence[Any]] = None,
                     limit_bytes: Optional[int] = None) -> int:
-        """``copy_streams(device)``: the copy stream to use for the storages of ``device``.
+        """``copy_streams(device)``: the copy stream to use for the storages of ``device``
+        (default: the manager's).
 
         ``storages``: load only these (e.g. the storages of one forward, when several forwards of
         the layer wait for their backward); default all. ``limit_bytes``: load at most this many
         bytes, the tensors backward needs first (the reverse of the order they were saved in);
         the rest stay on the host for a later load. Returns the bytes whose copies were issued."""
         with self._b.trace_range(self._ranges["launch_load"]):
-            return self._launch_load(copy_streams, storages, limit_bytes)
+            wanted = self._in_backward_order(storages, TensorState.HOST, TensorState.D2H)
+            if limit_bytes is not None:
+                wanted = self._first_bytes(wanted, limit_bytes)
+            self._cancel_offloads(wanted)
+            try:
+                issued = self._load([t for t in wanted if t.state is TensorState.HOST],
+                                    copy_streams or self._copy_streams, self._h2d)
+            finally:
+                self.stats.load_launches += 1
+            self._h2d.pending = True
+            return issued
 
     def pending_load_bytes(self, storages: Optional[Sequence[Any]] = None) -> int:
         """Bytes of ``storages`` (default: all) still to bring back to the device."""
@@ -446,46 +452,22 @@ class SwapGroup:
 
     def load_now(self, t: SwapTensor) -> None:
         """Load the offloaded tensor ``t`` now (with the siblings of its bucket, which share its
-        copy), where copies are synchronous: the layer chain's load on use (this method is the
-        ``SwapTensor.load_on_use`` of the tensors it offloads on CPU), called when autograd
-        unpacks ``t``. The same transitions as ``launch_load`` + ``wait_load``, without their
-        bookkeeping of a whole group, under the manager's lock; nothing once the manager has
-        forgotten this group (``retired``: the tensor then says which group to load). Only for a
-        backend without streams: the layer chain binds it only where copies are synchronous
-        (``SwapManager._waits_offload_at_once``)."""
+        copy) and wait: the layer chain's load on use where copies are synchronous (this method is
+        the ``SwapTensor.load_on_use`` of the tensors it offloads there), called when autograd
+        unpacks ``t``. The transitions of ``launch_load`` + ``wait_load`` for these tensors only,
+        under the manager's lock; nothing once the manager has forgotten this group (``retired``:
+        the tensor then says which group to load)."""
         with self._lock:
             if self.retired or t.state is not TensorState.HOST:
                 return
-            if t.bucket is None:
-                # Nothing to order, no event: the transitions in one call (this runs once per
-                # saved tensor in backward, so a range is only opened while a profiler records).
-                if self._b.tracing():
-                    with self._b.trace_range(self._ranges["launch_load"]):
-                        t.load_synchronously()
-                else:
-                    t.load_synchronously()
-                self.stats.loaded_bytes += t.nbytes
-                self.stats.load_launches += 1
-                return
-            self._load_bucket_now(t)
-
-    def _load_bucket_now(self, t: SwapTensor) -> None:
-        """:meth:`load_now` of a bucket member: the bucket's one copy brings its siblings too."""
-        p = self._b
-        device, copy_stream = t.device, None  # (copies are synchronous: no copy stream)
-        with p.trace_range(self._ranges["launch_load"]):
-            allocated = self._allocate(self._with_siblings([t]))
-            self._order_and_copy_in(allocated, copy_stream, device)
-            event = p.record_event(copy_stream)
-            for m in allocated:
-                m.set_copy_event(event)
-                self.stats.loaded_bytes += m.nbytes
-            self.stats.load_launches += 1
-        with p.trace_range(self._ranges["wait_load"]):
-            self._order_use_after_h2d(device, event)
-            waiter = p.current_stream(device)
-            for m in allocated:
-                m.wait_load(waiter=waiter)
+            flight = self._on_use
+            with self._b.trace_range(self._ranges["launch_load"]):
+                try:
+                    self._load([t], self._copy_streams, flight)
+                finally:
+                    self.stats.load_launches += 1
+            self.stats.wait_load_s += self._wait(flight, "wait_load", self._order_use_after_h2d, TensorState.H2D,
+                                                 SwapTensor.wait_load)
 
     @staticmethod
     def _with_siblings(tensors: List[SwapTensor]) -> List[SwapTensor]:
@@ -502,92 +484,67 @@ class SwapGroup:
         return out
 
     @staticmethod
-    def _allocate(tensors: List[SwapTensor]) -> List[SwapTensor]:
-        """Allocate the destinations of ``tensors`` (state host) on the current (compute) stream,
-        one device buffer per bucket; returns those that now wait for a copy. If an allocation
-        fails, those made before it are undone."""
-        bucket_devs: Dict[Any, Any] = {}
-        allocated: List[SwapTensor] = []
-        try:
-            for t in tensors:
-                if t.async_load(bucket_devs):
-                    allocated.append(t)
-        except BaseException:
-            for t in allocated:
-                t.unload()
-            raise
-        return allocated
+    def _first_bytes(wanted: List[SwapTensor], limit_bytes: int) -> List[SwapTensor]:
+        """The first tensors of ``wanted`` (in backward-use order) that fit in ``limit_bytes``, a
+        bucket's members together (a bucket comes back whole); nothing after one that does not fit."""
+        budget, chosen, seen = limit_bytes, [], set()
+        for t in wanted:
+            if t.bucket is None:
+                cost, take = t.nbytes, [t]
+            elif t.bucket in seen:
+                continue  # came with its bucket already
+            else:
+                seen.add(t.bucket)
+                take = t.bucket.members(TensorState.HOST, TensorState.D2H)
+                cost = sum(m.nbytes for m in take)
+            if cost > budget:
+                break
+            budget -= cost
+            chosen.extend(take)
+        return chosen
 
-    def _order_and_copy_in(self, allocated: List[SwapTensor], copy_stream: Any, device: Any) -> None:
-        """Order the copy stream after the allocations, then issue the H2D copies of ``allocated``
-        on it, one per bucket. A tensor whose copy was not issued (a failure) goes back to the host."""
-        copied = set()
-        try:
-            self._order_h2d_after_allocation(copy_stream, device)
-            with self._b.stream_context(copy_stream):
-                for t in allocated:
-                    bucket = t.bucket
-                    t.copy_in(copy_stream, issue=bucket is None or bucket not in copied)
-                    if bucket is not None:
-                        copied.add(bucket)
-        finally:
-            for t in allocated:
-                if not t.load_issued:
-                    t.unload()
-
-    def _launch_load(self, copy_streams: Callable[[Any], Any], storages: Optional[Sequence[Any]] = None,
-                     limit_bytes: Optional[int] = None) -> int:
-        p = self._b
-        wanted = self._in_backward_order(storages, TensorState.HOST, TensorState.D2H)
-        if limit_bytes is not None:
-            budget, chosen, seen = limit_bytes, [], set()
-            for t in wanted:
-                if t.bucket is None:
-                    cost, take = t.nbytes, [t]
-                elif t.bucket in seen:
-                    continue  # came with its bucket already
-                else:  # a bucket comes back whole
-                    seen.add(t.bucket)
-                    take = t.bucket.members(TensorState.HOST, TensorState.D2H)
-                    cost = sum(m.nbytes for m in take)
-                if cost > budget:
-                    break  # keep backward-use order: nothing after a tensor that does not fit
-                budget -= cost
-                chosen.extend(take)
-            wanted = chosen
-        # Offloads that were launched but never waited are cancelled: their sources are intact.
+    def _cancel_offloads(self, wanted: List[SwapTensor]) -> None:
+        """Offloads of ``wanted`` that were launched but never waited are cancelled: their sources
+        are intact (``SwapTensor.cancel_offload``); with none left in flight, nothing is to be waited."""
         for t in wanted:
             if t.state is TensorState.D2H:
-                t.async_load()
-        if self._in_d2h and not any(t.state is TensorState.D2H for t in self._in_d2h):
-            self._in_d2h.clear()
-        if not self._in_d2h:
-            self.offload_cancelled = self.offload_pending
-            self._offload_events.clear()
-            self.offload_pending = False
+                t.cancel_offload()
+        d2h = self._d2h
+        if d2h.tensors and not any(t.state is TensorState.D2H for t in d2h.tensors):
+            d2h.tensors.clear()
+        if not d2h.tensors:
+            self.offload_cancelled = d2h.pending
+            d2h.clear()
+
+    def _load(self, tensors: List[SwapTensor], copy_streams: Callable[[Any], Any], flight: _InFlight) -> int:
+        """Bring ``tensors`` (state host) back with the siblings of their buckets, per device:
+        the destinations allocated on the compute stream that will use and free them (one device
+        buffer per bucket), then one H2D copy per bucket or storage on ``copy_streams(device)``,
+        left for the wait of ``flight``. A tensor whose copy was not issued (a failure) goes back
+        to the host. Returns the bytes whose copies were issued."""
         issued_bytes = 0
-        try:
-            for device, tensors in _by_device(self._with_siblings(
-                    [t for t in wanted if t.state is TensorState.HOST])).items():
-                copy_stream = copy_streams(device)
-                # Destinations are allocated here, on the compute stream that will use and free them.
-                allocated = self._allocate(tensors)
-                try:
-                    self._order_and_copy_in(allocated, copy_stream, device)
-                finally:
-                    issued = [t for t in allocated if t.load_issued]  # even if a later copy failed
-                    if issued:
-                        event = p.record_event(copy_stream)
-                        for t in issued:
-                            t.set_copy_event(event)
-                            self.stats.loaded_bytes += t.nbytes
-                            issued_bytes += t.nbytes
-                        self._in_h2d.extend(issued)
-                        self._load_events.append((device, event))
-                        self.load_pending = True
-        finally:
-            self.stats.load_launches += 1
-        self.load_pending = True
+        for device, on_device in _by_device(self._with_siblings(tensors)).items():
+            copy_stream = copy_streams(device)
+            compute = self._b.current_stream(device)
+            bucket_devs: Dict[Any, Any] = {}
+            allocated: List[SwapTensor] = []
+            try:
+                for t in on_device:
+                    t.allocate(compute, bucket_devs)
+                    allocated.append(t)
+                self._order_h2d_after_allocation(copy_stream, compute)
+                with self._b.stream_context(copy_stream):
+                    for t in allocated:  # a bucket's first member copies the whole bucket's buffer
+                        t.copy_in(copy_stream, issue=t.bucket is None or bucket_devs.pop(t.bucket, None) is not None)
+            finally:  # even if a later allocation or copy failed: these copies are queued
+                issued = [t for t in allocated if t.load_issued]
+                for t in allocated:
+                    if not t.load_issued:
+                        t.unload()
+                self._issued(flight, issued, copy_stream, device)
+                for t in issued:
+                    self.stats.loaded_bytes += t.nbytes
+                    issued_bytes += t.nbytes
         return issued_bytes
 
     def wait_load(self) -> None:
@@ -595,21 +552,8 @@ class SwapGroup:
             raise RuntimeError(
                 f"wait_load('{self.name}') called but no load of group '{self.name}' is in flight; "
                 f"call SwapManager().launch_load('{self.name}') first.")
-        t0 = time.perf_counter()
-        with self._b.trace_range(self._ranges["wait_load"]):
-            for device, event in self._load_events:
-                self._order_use_after_h2d(device, event)
-            waiters: Dict[Any, Any] = {}
-            for t in self._in_h2d:
-                if t.state is not TensorState.H2D:
-                    continue
-                if t.device not in waiters:
-                    waiters[t.device] = self._b.current_stream(t.device)
-                t.wait_load(waiter=waiters[t.device])
-        self._in_h2d.clear()
-        self._load_events.clear()
-        self.load_pending = False
-        self.stats.wait_load_s += time.perf_counter() - t0
+        self.stats.wait_load_s += self._wait(self._h2d, "wait_load", self._order_use_after_h2d, TensorState.H2D,
+                                             SwapTensor.wait_load)
 
     def __repr__(self) -> str:
         return (f"SwapGroup({self.name!r}, storages={len(self)}, "

@@ -136,8 +136,8 @@ class SwapManager:
             self._retired.pop(name, None)
             self._recent_retired.pop(name, None)
             stats = self._stats.setdefault(name, GroupStats())
-            group = self._groups[name] = SwapGroup(name, self.backend, stats, self._pool, persistent,
-                                                    self.lock)
+            group = self._groups[name] = SwapGroup(name, self.backend, stats, self._pool, self._copy_stream_for,
+                                                    persistent, self.lock)
             group.bucket_bytes = self._bucket_bytes
         elif persistent:
             group.persistent = True
@@ -242,10 +242,8 @@ class SwapManager:
         the storage's tensors that the forward no longer holds, now rather than at the layer's end."""
         with self._locked:
             group = self._groups.get(storage.group_name)
-            if group is not None and not group.offload_pending:
-                dead = storage.dropped()
-                if dead:
-                    group.offload_synchronously([dead])
+            if group is not None:
+                group.offload_dropped(storage)
 
     def _switch_group(self, group_name: Optional[str]) -> None:
         """``set_current_group_name`` for the layer chain, which holds the lock and passes a name
@@ -313,25 +311,11 @@ class SwapManager:
             if group is not None:
                 group.launch_offload(self._streams(copy_stream))
 
-    # The layer chain's own two calls: it holds the lock already (they do not take it again).
-    def _retry_offload(self, group_name: str, at_once: bool) -> None:
+    # The layer chain's own call: it holds the lock already (it does not take it again).
+    def _retry_offload(self, group_name: str) -> None:
         """The layer chain's second try: launch the offload of what group ``group_name``'s last
-        launch skipped because somebody else held it then (``SwapGroup.retry_offload``); where
-        the chain waits offloads at once (``at_once``: copies are synchronous), offload it and
-        wait."""
-        group = self._group(group_name)
-        if at_once:
-            group.offload_synchronously(group.retry_runs())
-        else:
-            group.retry_offload(self._copy_stream_for)
-
-    def _offload_at_once(self, group_name: str) -> None:
-        """The layer chain's offload of a layer where copies are synchronous: ``launch_offload``
-        and ``wait_offload`` in one call (``SwapGroup.offload_synchronously``)."""
-        group = self._live_group(group_name)
-        if group is not None:
-            group.offload_synchronously()
-            self._forget_if_empty(group_name)
+        launch skipped because somebody else held it then (``SwapGroup.retry_offload``)."""
+        self._group(group_name).retry_offload()
 
     def wait_offload(self, group_name: str) -> None:
         """Make compute wait for the group's offload and release its device memory."""
@@ -442,14 +426,6 @@ class SwapManager:
     def bucket_bytes(self) -> int:
         """The bucket cap in force (see :meth:`set_bucket_bytes`); 0: no bucketing."""
         return self._bucket_bytes
-
-    def _waits_offload_at_once(self) -> bool:
-        """Whether the layer chain waits a layer's offload right after launching it: only where
-        copies are synchronous and the (default) budget loads on demand."""
-        if self.copies_overlap():
-            return False
-        budget = self._prefetch_budget  # (prefetch_budget(), inline)
-        return budget is _AUTO or budget == 0
 
     # ------------------------------------------------------------------ layer chain
     def set_forward_prefetch_layer(self, first_layer: Any, second_layer: Any) -> None:

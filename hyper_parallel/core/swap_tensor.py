@@ -6,10 +6,11 @@ size, stride, storage offset and dtype over one reloaded storage).
 
 States::
 
-    device --start_offload--> d2h --wait_offload--> host --async_load--> h2d --wait_load--> device
+    device --start_offload--> d2h --wait_offload--> host --allocate, copy_in--> h2d --wait_load--> device
+                               d2h --cancel_offload--> device
 
-Where copies are synchronous (a backend without streams) ``offload_synchronously`` and
-``load_synchronously`` each make one arrow pair in one call: the copy is done when they return.
+Every backend runs the same transitions; without streams (a CPU build) their events and
+streams are ``None``, so the ordering calls do nothing and each copy is done when it returns.
 
 ``get_val`` is legal in ``device`` (and in ``d2h``, where the source is still intact on the
 device); anywhere else it raises. Memory is never freed by force: the swap system only drops its
@@ -53,7 +54,7 @@ class SwapTensor:
     # One is made per saved storage: slots keep the constructor and attribute reads cheap.
     __slots__ = ("_b", "_pool", "group_name", "nbytes", "state", "_aliases", "_versions", "_metas", "_src",
                  "_host", "_dev", "_views", "released", "_host_guard", "kept_reason", "shared_skips", "device",
-                 "producers", "_copy_stream", "_dev_stream", "_load_event", "_ready", "_load_issued", "load_on_use",
+                 "producers", "_copy_stream", "_dev_stream", "_load_event", "_ready", "load_issued", "load_on_use",
                  "bucket", "slot_offset", "_block", "__weakref__")
 
     def __init__(self, backend: Backend, pool: Any, group_name: str, facts: SavedFacts) -> None:
@@ -90,7 +91,7 @@ class SwapTensor:
         self._dev_stream: Any = None   # the stream that allocated ``_block`` (the block's owner)
         self._load_event: Any = None   # the event after the H2D copy into ``_dev``
         self._ready: List[Any] = []    # streams known to be ordered after ``_load_event``
-        self._load_issued = False      # in state h2d: the copy was issued (not only the allocation)
+        self.load_issued = False       # in state h2d: the copy was issued (not only the allocation)
         # Set by the group that offloaded it when nothing schedules its load (the layer chain where
         # copies are synchronous): get_val then loads it, as save_on_cpu's unpack does, so that
         # backward holds only the reloaded tensors in use, not a whole layer.
@@ -226,36 +227,12 @@ class SwapTensor:
         self._aliases = None
         self.state = TensorState.D2H
 
-    def offload_synchronously(self, pool: Any) -> Optional[KeepReason]:
-        """``device`` -> ``host`` in one step, where copies are synchronous (the backend has no
-        streams): :meth:`offload_reason`, a host buffer of its own from ``pool``,
-        :meth:`start_offload` and :meth:`wait_offload`, with nothing to order. Returns ``None``
-        when the copy is done (dropping the aliases frees the device storage unless somebody else
-        holds it), else why the storage stays (``HOST_LIMIT``: ``pool`` is at its cap). If the
-        copy raises, nothing changes (the buffer goes back to ``pool``). One call per storage
-        instead of the four, on the CPU schedule's path."""
-        reason = self.offload_reason()
-        if reason is not None:
-            return reason
-        host = pool.acquire(self.nbytes, None)
-        if host is None:
-            return self.keep(KeepReason.HOST_LIMIT)
-        try:
-            self._b.copy_bytes(host, self._aliases[0])
-        except BaseException:
-            pool.release(host, self.nbytes, None)
-            raise
-        self._host = host
-        self._aliases = None
-        self.state = TensorState.HOST
-        return None
-
     def keep(self, reason: KeepReason) -> KeepReason:
         """Keep this storage on the device for good (a second offload would not help)."""
         self.kept_reason = reason
         return reason
 
-    def wait_offload(self, waiter: Any = None) -> None:
+    def wait_offload(self, waiter: Any) -> None:
         """The group's offload event has been waited on stream ``waiter``: drop our reference to
         the source. The allocator may hand its block to a new tensor of the block's stream at
         once; if the source was produced on another stream than ``waiter`` (a side stream), that
@@ -270,60 +247,40 @@ class SwapTensor:
         self.state = TensorState.HOST
 
     # ----------------------------------------------------------------- load
-    def async_load(self, bucket_devs: Optional[Dict[Any, Any]] = None) -> bool:
-        """Allocate the H2D destination (on the current compute stream, which will use and free
-        it); :meth:`copy_in` issues the copy. A tensor whose offload was never waited is simply
-        kept (its source is still on the device); returns ``True`` when a copy is to be issued.
-        A bucket member's destination is its slot in the device buffer of the whole bucket,
-        allocated by the first member that asks and found by the others in ``bucket_devs`` (the
-        launch's bucket -> device buffer)."""
-        if self.state is TensorState.D2H:
-            # Cancel: the source is intact; keep it. Compute does not wait for the D2H (it only
-            # reads the source, as the copy does); the block is protected until the copy is
-            # done, and the host buffer goes back to the pool guarded by the D2H event.
-            self._protect(self._src, self._copy_stream)
-            self._dev = self._block = self._src
-            self._src = None
-            self._release_host(self._host_guard)
-            self.state = TensorState.DEVICE
-            self._drop_if_unused()
-            return False
+    def cancel_offload(self) -> None:
+        """A load of a tensor whose offload was never waited (state d2h): keep the source, which
+        is intact. Compute does not wait for the D2H (it only reads the source, as the copy
+        does); the block is protected until the copy is done, and the host buffer goes back to
+        the pool guarded by the D2H event."""
+        self._protect(self._src, self._copy_stream)
+        self._dev = self._block = self._src
+        self._src = None
+        self._release_host(self._host_guard)
+        self.state = TensorState.DEVICE
+        self._drop_if_unused()
+
+    def allocate(self, compute: Any, bucket_devs: Dict[Any, Any]) -> None:
+        """Allocate the H2D destination on ``compute``, the current stream, which will use and
+        free it (the caller then makes the copy stream wait for compute); :meth:`copy_in` issues
+        the copy. A bucket member's destination is its slot in the device buffer of the whole
+        bucket, allocated by the first member that asks and found by the others in
+        ``bucket_devs`` (the launch's bucket -> device buffer)."""
         if self.state is not TensorState.HOST:
             raise RuntimeError(
                 f"swap group '{self.group_name}': launch_load on a tensor in state '{self.state.value}'.")
-        # The destination is allocated by the compute stream (the stream that will use and free
-        # it); the caller made the copy stream wait for compute after these allocations.
-        self._dev_stream = self._b.current_stream(self.device)
+        self._dev_stream = compute
         bucket = self.bucket
         if bucket is None:
             self._dev = self._block = self._b.empty_device_bytes(self.nbytes, self._metas[0])
         else:
-            dev = bucket_devs.get(bucket) if bucket_devs is not None else None
+            dev = bucket_devs.get(bucket)
             if dev is None:
-                dev = self._b.empty_device_bytes(bucket.nbytes, self._metas[0])
-                if bucket_devs is not None:
-                    bucket_devs[bucket] = dev
+                dev = bucket_devs[bucket] = self._b.empty_device_bytes(bucket.nbytes, self._metas[0])
             self._block = dev
             self._dev = self._b.slot_bytes(dev, self.slot_offset, self.nbytes)
         self._load_event = None
-        self._load_issued = False
+        self.load_issued = False
         self.state = TensorState.H2D
-        return True
-
-    def load_synchronously(self) -> None:
-        """``host`` -> ``device`` in one step, where copies are synchronous (the backend has no
-        streams): :meth:`async_load`, :meth:`copy_in` and :meth:`wait_load` for a storage of its
-        own, with nothing to order, no event to guard the host buffer and no block to protect.
-        One call instead of their dozens, per saved tensor of a backward that loads on use."""
-        if self.state is not TensorState.HOST or self.bucket is not None:
-            raise RuntimeError(
-                f"swap group '{self.group_name}': load_synchronously on a tensor in state "
-                f"'{self.state.value}'{' (in a bucket)' if self.bucket is not None else ''}; only a "
-                "storage of its own on the host can be loaded this way.")
-        self._dev = self._block = self._b.load_bytes(self._host, self.nbytes, self._metas[0])
-        self._release_host(None)  # the copy is done: nothing guards the buffer
-        self.state = TensorState.DEVICE
-        # (no _drop_if_unused: a saved tensor being read is what asked for this load)
 
     def copy_in(self, copy_stream: Any, issue: bool = True) -> None:
         """Issue the H2D copy (called inside the copy-stream context). No ``record_stream`` here:
@@ -333,27 +290,23 @@ class SwapTensor:
         if issue:
             self._b.copy_bytes(self._block, self._host)
         self._copy_stream = copy_stream
-        self._load_issued = True
+        self.load_issued = True
 
     def unload(self) -> None:
-        """Undo :meth:`async_load` for a tensor whose copy was never issued (a launch failed
+        """Undo :meth:`allocate` for a tensor whose copy was never issued (a launch failed
         before reaching it): back to the host, the destination dropped."""
-        if self.state is TensorState.H2D and not self._load_issued:
+        if self.state is TensorState.H2D and not self.load_issued:
             self._dev = self._block = self._dev_stream = None
             self.state = TensorState.HOST
 
-    @property
-    def load_issued(self) -> bool:
-        return self.state is TensorState.H2D and self._load_issued
-
-    def wait_load(self, event: Any = None, waiter: Any = None) -> None:
-        """The load ``event`` has been waited on stream ``waiter``."""
+    def wait_load(self, waiter: Any) -> None:
+        """The load's event (:meth:`set_copy_event`) has been waited on stream ``waiter``."""
         if self.state is not TensorState.H2D:
             raise RuntimeError(
                 f"swap group '{self.group_name}': wait_load on a tensor in state "
                 f"'{self.state.value}'; call launch_load first.")
-        self._release_host(self._host_guard)  # guard = the load event: the H2D reads the buffer
-        self._load_event = event if event is not None else self._host_guard
+        self._load_event = self._host_guard  # the load's event: the H2D reads the host buffer until then
+        self._release_host(self._host_guard)
         self._ready = [waiter] if waiter is not None else []
         if waiter is not None and self._dev_stream is not None and not (waiter == self._dev_stream):
             # The block belongs to the allocating stream, which never waited the load: keep it

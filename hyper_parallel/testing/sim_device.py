@@ -423,10 +423,6 @@ class SimDevice(TorchBackend):
             self._raise_pending()
             return t
 
-    # A load in one call would bypass the tracking of the allocation and the copy: the contract's
-    # default, through the two tracked primitives.
-    load_bytes = Backend.load_bytes
-
     def empty_host_bytes(self, nbytes: int) -> torch.Tensor:
         self._before("empty_host_bytes", nbytes)
         with self._lock:

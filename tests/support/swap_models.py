@@ -36,11 +36,18 @@ __all__ = [
     "saved_tensor_nodes",
     "group",
     "round_trip",
+    "follows_memory",
 ]
 
-# (_retry_offload: the layer chain's second offload try of what a launch skipped as held elsewhere;
-# _offload_at_once: its launch + wait in one call where copies are synchronous)
-MANAGER_CALLS = ("launch_offload", "_offload_at_once", "_retry_offload", "wait_offload", "launch_load", "wait_load")
+# (_retry_offload: the layer chain's second offload try of what a launch skipped as held elsewhere)
+MANAGER_CALLS = ("launch_offload", "_retry_offload", "wait_offload", "launch_load", "wait_load")
+
+
+def follows_memory() -> bool:
+    """Whether the layer chain follows memory now (copies are synchronous and the prefetch budget
+    is 0, the CPU default): offloads are waited at once and backward loads each tensor on use."""
+    mgr = SwapManager()
+    return not mgr.copies_overlap() and mgr.prefetch_budget() == 0
 
 
 class ToyBlock(nn.Module):

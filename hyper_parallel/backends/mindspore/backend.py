@@ -321,9 +321,6 @@ class MindSporeBackend(Backend):
     def trace_range(self, name: str) -> Any:
         return _MstxRange(name) if self.accelerator == "Ascend" else contextlib.nullcontext()
 
-    def tracing(self) -> bool:
-        return self.accelerator == "Ascend"
-
     # ------------------------------------------------------------------ random numbers
     # rng_replayable is False: random ops are always kept, so the engine never snapshots the RNG.
     def rng_state(self, args: Sequence[Any]) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from typing import Any, List, Sequence, Set, Tuple
 
 __all__ = ["storage_key", "storage_keys", "version", "storage_use_count", "in_backward", "detach_keeping_version",
-           "pipeline_stages", "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class", "innermost_saved_tensors_hooks",
+           "pipeline_stages", "drop_pipeline_losses", "trace_range", "fsdp_module_class", "innermost_saved_tensors_hooks",
            "functional_collective", "is_compiled_module",
            "pinned_alloc_size", "empty_host_cache", "saved_identity", "saved_storage_state"]
 
@@ -104,11 +105,17 @@ def drop_pipeline_losses(schedule: Any) -> None:
         losses.clear()
 
 
-def profiler_enabled() -> bool:
-    """Whether a ``torch.profiler`` / autograd profiler is recording on this thread. Opening a
-    ``record_function`` range costs microseconds even when nobody records; the swap engine opens
-    its named ranges only while this is true."""
-    return bool(torch.autograd.profiler._is_profiler_enabled)
+_NO_RANGE = contextlib.nullcontext()  # reusable: nullcontext keeps no state
+
+
+def trace_range(name: str) -> Any:
+    """A ``record_function`` range named ``name`` while a ``torch.profiler`` / autograd profiler
+    records on this thread, else a no-op context: opening a range costs microseconds even when
+    nobody records, and the swap engine opens them several times per layer. Whether one records is
+    a private flag (no public accessor)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return _NO_RANGE
 
 
 def fsdp_module_class() -> Any:

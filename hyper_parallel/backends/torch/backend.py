@@ -213,7 +213,7 @@ class _NoCompileHook:
 _CPU = torch.device("cpu")
 _new_tuple = tuple.__new__
 _STRIDED = torch.strided
-_NO_RANGE = contextlib.nullcontext()  # reusable: nullcontext keeps no state
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: nullcontext keeps no state
 # Tensor types whose bytes and view metadata are the whole tensor (subclasses such as DTensor are not).
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
@@ -355,11 +355,6 @@ class TorchBackend(Backend):
     def empty_device_bytes(self, nbytes: int, like: ViewMeta) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
 
-    def load_bytes(self, host: torch.Tensor, nbytes: int, like: ViewMeta) -> torch.Tensor:
-        # One call allocates (on the current stream) and copies; host buffers hold exactly nbytes.
-        # Blocking: the caller hands the host buffer back to the pool right away.
-        return host.to(like.device, copy=True)
-
     def empty_host_bytes(self, nbytes: int) -> torch.Tensor:
         # Pinned memory makes D2H/H2D truly asynchronous; a CPU-only build has none.
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.accelerator is not None)
@@ -409,17 +404,10 @@ class TorchBackend(Backend):
 
     def stream_context(self, stream: Any) -> Any:
         if stream is None or self._dm is None:
-            return contextlib.nullcontext()
+            return _NO_CONTEXT
         return self._dm.stream(stream)
 
-    tracing = staticmethod(_shim.profiler_enabled)
-
-    def trace_range(self, name: str) -> Any:
-        # A record_function range costs a few microseconds even when nobody records: only open
-        # one while a profiler is running.
-        if _shim.profiler_enabled():
-            return torch.profiler.record_function(name)
-        return _NO_RANGE
+    trace_range = staticmethod(_shim.trace_range)  # (opened several times per layer)
 
     # ------------------------------------------------------------------ random numbers
     def rng_state(self, args: Sequence[Any]) -> Any:
