@@ -22,9 +22,9 @@ FORWARD_CALLS = [
     ("launch_offload", "layer_0"),
     # layer 1 ends: own offload, wait the predecessor's, then offload again what the first launch
     # skipped because the caller still held it (layer 0's input)
-    ("launch_offload", "layer_1"), ("wait_offload", "layer_0"), ("_retry_offload", "layer_0"),
+    ("launch_offload", "layer_1"), ("wait_offload", "layer_0"), ("retry_offload", "layer_0"),
     # layer 2 ends: the same, and the retry launched one layer earlier is waited
-    ("launch_offload", "layer_2"), ("wait_offload", "layer_1"), ("_retry_offload", "layer_1"),
+    ("launch_offload", "layer_2"), ("wait_offload", "layer_1"), ("retry_offload", "layer_1"),
     ("wait_offload", "layer_0"),
     # the last layer: no offload of its own; waits its predecessor and the retry launched before
     ("wait_offload", "layer_2"), ("wait_offload", "layer_1"),

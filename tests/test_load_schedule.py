@@ -13,7 +13,8 @@ from hyper_parallel.core.activation_checkpoint import SwapManager, checkpoint_wr
 from hyper_parallel.core.swap_tensor import TensorState
 from hyper_parallel.tools.memory import MemoryMeter
 
-from support.swap_models import ManagerSpy, ToyNet, assert_tensors_equal, chain, follows_memory, grads, make_input
+from support.swap_models import (ManagerSpy, ToyNet, add_swap, assert_tensors_equal, chain, follows_memory, grads,
+                                 make_input)
 
 N_LAYERS = 4
 
@@ -25,9 +26,9 @@ N_LAYERS = 4
 CPU_FORWARD_CALLS = [
     ("launch_offload", "layer_0"), ("wait_offload", "layer_0"),
     ("launch_offload", "layer_1"), ("wait_offload", "layer_1"),
-    ("_retry_offload", "layer_0"), ("wait_offload", "layer_0"),
+    ("retry_offload", "layer_0"), ("wait_offload", "layer_0"),
     ("launch_offload", "layer_2"), ("wait_offload", "layer_2"),
-    ("_retry_offload", "layer_1"), ("wait_offload", "layer_1"),
+    ("retry_offload", "layer_1"), ("wait_offload", "layer_1"),
     ("launch_offload", "layer_3"), ("wait_offload", "layer_3"),
 ]
 CPU_BACKWARD_CALLS: list = []
@@ -95,7 +96,7 @@ def test_limited_load_goes_in_backward_use_order_and_leaves_the_rest_on_the_host
     mgr = SwapManager()
     storage = mgr.new_storage("g")
     sizes = [64, 128, 256]  # saved in this order: backward needs the last one first
-    views = [storage.add_swap(torch.randn(n)) for n in sizes]
+    views = [add_swap(storage, torch.randn(n)) for n in sizes]
     values = [v.get_val().clone() for v in views]
     mgr.launch_offload("g"); mgr.wait_offload("g")
     tensors = [v._swap_tensor for v in views]
@@ -200,7 +201,7 @@ def test_cpu_default_offloads_dropped_tensors_during_the_layer(monkeypatch):
     offloaded while the layer runs (every EARLY_OFFLOAD_CHUNK saved bytes), as save_on_cpu would:
     the forward peak falls below recompute's, which it does not when offloads wait for the layer's
     end; gradients stay bitwise equal. Live-storage meter, not the library's counters."""
-    import hyper_parallel.core.layer_chain as layer_chain
+    import hyper_parallel.core.storage as storage_module
 
     cfg = GPTConfig(vocab=64, dim=128, heads=2, layers=4, seq=256, dropout=0.0)  # ~1 MiB tensors
     assert follows_memory()
@@ -210,7 +211,7 @@ def test_cpu_default_offloads_dropped_tensors_during_the_layer(monkeypatch):
     assert_tensors_equal(got, expected, "early offload")
     early = SwapManager().stats()
     assert early["offloaded_bytes"] == early["loaded_bytes"] > 0
-    monkeypatch.setattr(layer_chain, "EARLY_OFFLOAD_CHUNK", 1 << 40)  # offload at the layer's end only
+    monkeypatch.setattr(storage_module, "EARLY_OFFLOAD_CHUNK", 1 << 40)  # offload at the layer's end only
     fwd_late, _, _ = _gpt_step("swap_wrapper", cfg)
     late = SwapManager().stats()
     assert early["offload_launches"] > late["offload_launches"]
@@ -286,7 +287,7 @@ def test_failing_copy_of_a_cpu_offload_leaves_the_tensor_usable(monkeypatch):
     mgr = SwapManager()
     storage = mgr.new_storage("g")
     values = [torch.randn(8, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    views = [storage.add_swap(v.clone()) for v in values]
+    views = [add_swap(storage, v.clone()) for v in values]
     backend = mgr.backend
     real = type(backend).copy_bytes
     copies = []

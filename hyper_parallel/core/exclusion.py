@@ -115,8 +115,8 @@ def _record(b: Backend, frame: RegionFrame, function: Callable[..., Any], args: 
     inputs = _tensor_versions(b, (args, kwargs))
     rng_before = b.rng_state(args) if b.rng_replayable else None
     storage: Optional[Storage] = SwapManager().new_storage() if swap else None
-    packer: Any = (SwapPacker(b, storage, None, parameter_storages(b, owner)) if storage is not None
-                   else KeepPacker(b))
+    param_ids = parameter_storages(b, owner) if storage is not None else set()
+    packer: Any = SwapPacker(b, storage, None, param_ids) if storage is not None else KeepPacker(b)
     selective = frame.selective
     frame.excluding += 1
     if selective is not None:
@@ -143,15 +143,8 @@ def _record(b: Backend, frame: RegionFrame, function: Callable[..., Any], args: 
     def keep(x: Any) -> Any:
         if not b.is_tensor(x):
             return x
-        alias = b.alias(x)
-        requires_grad = b.requires_grad(x)
-        if storage is None:
-            return _Leaf(Saved(alias, b.version), requires_grad)
-        reason = b.unswappable_reason(alias)
-        if reason is not None:
-            storage.add_kept(alias, reason)
-            return _Leaf(Saved(alias, b.version), requires_grad)
-        return _Leaf(storage.add_swap(alias), requires_grad)
+        handle = Saved(b.alias(x), b.version) if storage is None else storage.add(b.saved_facts(x, param_ids))
+        return _Leaf(handle, b.requires_grad(x))
 
     if frame.excluded is None:
         frame.excluded = ExcludedCalls()

@@ -14,28 +14,59 @@ do nothing while a checkpointed region is being recomputed.
 
 Where copies are synchronous (no copy stream: a CPU build) and the prefetch budget is the default
 ``0``, nothing is gained by overlapping, so the schedule follows memory instead, as
-``save_on_cpu`` does: during a layer's forward, each time ``EARLY_OFFLOAD_CHUNK`` more bytes were
-saved (and between the ops of a selective region: ``Storage.offload_dropped``), the saved tensors
-that the forward has already dropped are offloaded (and waited) at once;
-at the layer's end the rest is offloaded and waited (the last layer's too), in one call
-(``SwapManager._offload_at_once``), and the retry of the predecessor's skipped input is waited at
-once too; in backward no load is launched: each offloaded tensor is loaded when autograd unpacks it
-(``SwapTensor.load_on_use``) and freed once its node has run. The state machine and its states are
-the same; each launch and its wait are one call there (``SwapGroup.offload_synchronously``,
-``SwapTensor.load_synchronously``).
+``save_on_cpu`` does: a forward marks its layer's group ``follows_memory``, so during the forward,
+each time ``storage.EARLY_OFFLOAD_CHUNK`` more bytes were saved (and between the ops of a selective
+region: ``Storage.offload_dropped``), the saved tensors that the forward has already dropped are
+offloaded and waited at once; at the layer's end the rest is offloaded and waited (the last
+layer's too), and so is the retry of the predecessor's skipped input; in backward no load is
+launched: each offloaded tensor is loaded when autograd unpacks it (``SwapGroup.load_now``) and
+freed once its node has run. The launches, waits and states are the same everywhere.
+
+The chain reaches its manager only through :class:`ChainManager`.
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Protocol
 
-__all__ = ["LayerChain", "EARLY_OFFLOAD_CHUNK"]
+__all__ = ["LayerChain", "ChainManager"]
 
-#: Where copies are synchronous, a chained layer's dropped saved tensors are offloaded during its
-#: forward each time this many more bytes were saved (see ``LayerChain.forward_start``).
-EARLY_OFFLOAD_CHUNK = 1 << 20
+
+class ChainManager(Protocol):
+    """What the layer chain uses of its manager (``SwapManager``): its backend and lock, the
+    public schedule calls, and three calls of the package's schedules (the chain holds the lock)."""
+
+    backend: Any
+    lock: Any
+
+    def chain_group(self, group_name: str) -> Any:
+        """The ``SwapGroup`` of a chained layer, created if new."""
+
+    def switch_group(self, group_name: Optional[str]) -> Optional[str]:
+        """Make a group current; returns the previous current name."""
+
+    def retry_offload(self, group_name: str) -> None:
+        """Launch the offload of what the group's last launch skipped as held elsewhere."""
+
+    def copies_overlap(self) -> bool:
+        """Whether copies run on a copy stream."""
+
+    def prefetch_budget(self) -> Optional[int]:
+        """The bytes prefetched ahead in backward (``None``: no limit)."""
+
+    def launch_offload(self, group_name: str) -> None:
+        """Launch the group's offload."""
+
+    def wait_offload(self, group_name: str) -> None:
+        """Wait the group's offload."""
+
+    def launch_load(self, group_name: str, *, storages: Any = None, limit_bytes: Optional[int] = None) -> None:
+        """Launch the group's load (of ``storages``, up to ``limit_bytes``)."""
+
+    def wait_load(self, group_name: str) -> None:
+        """Wait the group's load."""
 
 
 class _Forward:
@@ -145,10 +176,19 @@ def _inert() -> Any:
 class LayerChain:
     """Layer order and the hooks that drive a :class:`SwapManager` from it."""
 
-    def __init__(self, manager: Any) -> None:
+    def __init__(self, manager: ChainManager) -> None:
         self._m = manager
         self._links: "weakref.WeakKeyDictionary[Any, _Link]" = weakref.WeakKeyDictionary()
         self._count = 0
+        # The records of the chained layer forwards running now (innermost last): a storage made
+        # while one runs belongs to that forward.
+        self._running: List[_Forward] = []
+
+    def storage_made(self, storage: Any) -> None:
+        """A region made ``storage`` (``SwapManager.new_storage``): it belongs to the innermost
+        chained forward running now, if any."""
+        if self._running:
+            self._running[-1].add(storage)
 
     def follows_memory(self) -> bool:
         """Whether a forward starting now follows memory (see the module docstring): copies are
@@ -163,15 +203,19 @@ class LayerChain:
         """Whether a live chained layer has the group ``group_name``."""
         return any(link.name == group_name for link in self._links.values())
 
+    def _new_link(self, layer: Any) -> _Link:
+        """A link (and its group) for ``layer``, not chained to any other yet."""
+        link = self._links[layer] = _Link(f"layer_{self._count}")
+        self._count += 1
+        self._m.chain_group(link.name)
+        return link
+
     def _link_of(self, layer: Any) -> _Link:
         link = self._links.get(layer)
         if link is None:
-            link = _Link(f"layer_{self._count}")
-            self._count += 1
-            self._m._group(link.name, create=True, persistent=True)
+            link = self._new_link(layer)
             link.hooks = [_ChainHook(self, False, layer), _ChainHook(self, True, layer)]
             link.handles = self._m.backend.register_forward_hooks(layer, link.hooks[0], link.hooks[1])
-            self._links[layer] = link
         return link
 
     @staticmethod
@@ -216,6 +260,7 @@ class LayerChain:
                 hook.active = False
         self._links = weakref.WeakKeyDictionary()
         self._count = 0
+        self._running = []
 
     # ------------------------------------------------------------------ copies
     def _adopt_copy(self, original: Any, copy: Any, memo: dict, hook: _ChainHook) -> None:
@@ -223,12 +268,7 @@ class LayerChain:
         link of its own (its hooks are the copied ones) and link it to the copies of
         ``original``'s neighbours that were already adopted. Whichever of two neighbours is
         copied second makes the link, so a whole copied stack ends up chained like the original."""
-        link = self._links.get(copy)
-        if link is None:
-            link = _Link(f"layer_{self._count}")
-            self._count += 1
-            self._m._group(link.name, create=True, persistent=True)
-            self._links[copy] = link
+        link = self._links.get(copy) or self._new_link(copy)
         link.hooks.append(hook)
         olink = self._links.get(original)
         if olink is None:
@@ -270,31 +310,25 @@ class LayerChain:
                 f"{type(layer).__name__} runs the layer-chain hooks of another layer but is not chained "
                 "itself (a copy.copy of a chained layer shares its hooks). Use copy.deepcopy (the copy gets "
                 "its own chain), or chain the copied layers with wrap_layers / set_forward_prefetch_layer.")
-        link.saved_group_names.append(self._m._current_group_name)
-        self._m._switch_group(link.name)
-        group = self._m._group(link.name)
+        link.saved_group_names.append(self._m.switch_group(link.name))
+        # Where copies are synchronous, what the layer saved and the forward has dropped goes to
+        # the host as the layer runs (looked for once per storage.EARLY_OFFLOAD_CHUNK saved bytes,
+        # so that layers of small tensors pay nothing), which bounds the forward like save_on_cpu.
         at_once = self.follows_memory()
-        if at_once:
-            # Copies are synchronous: what the layer saved and the forward has dropped goes to the
-            # host as the layer runs (checked once per EARLY_OFFLOAD_CHUNK saved bytes, so that
-            # layers of small tensors pay nothing), which bounds the forward like save_on_cpu.
-            group.on_saved, group.early_chunk = self._m._offload_dead, EARLY_OFFLOAD_CHUNK
-            group.load_on_use = group.load_now
-        else:
-            group.on_saved = group.load_on_use = None
+        self._m.chain_group(link.name).follows_memory = at_once
         prev = self._alive(link.prev)
         fed_by = self._links[prev].last_forward if prev is not None and prev in self._links else None
         record = _Forward(fed_by, at_once)
         link.forwards.append(record)
-        self._m._forward_records.append(record)
+        self._running.append(record)
 
     def forward_end(self, layer: Any, failed: bool) -> bool:
         """Returns whether the backward-start hook should be armed on the outputs."""
         link = self._links.get(layer)
         if link is None or not link.saved_group_names:
             return False  # our pre-hook never ran (an earlier pre-hook raised): nothing to undo
-        self._m._switch_group(link.saved_group_names.pop())
-        self._m._forward_records.pop()
+        self._m.switch_group(link.saved_group_names.pop())
+        self._running.pop()
         record = link.forwards.pop()
         if failed:
             return False
@@ -312,7 +346,7 @@ class LayerChain:
         prev = link.prev() if link.prev is not None else None
         if prev is not None:
             prev_link = self._links[prev]
-            prev_group = self._m._group(prev_link.name)
+            prev_group = self._m.chain_group(prev_link.name)
             if prev_group.offload_pending:
                 self._m.wait_offload(prev_group.name)
             # When the predecessor's offload was launched, the caller still held its input (the
@@ -321,12 +355,12 @@ class LayerChain:
             # after the last layer, where nothing would wait for it before backward), or at once
             # where copies are synchronous.
             if has_next and prev_group.has_retryable():
-                self._m._retry_offload(prev_group.name)
+                self._m.retry_offload(prev_group.name)
                 if record.at_once:
                     self._m.wait_offload(prev_group.name)
             before = prev_link.prev() if prev_link.prev is not None else None
             if before is not None:
-                before_group = self._m._group(self._links[before].name)
+                before_group = self._m.chain_group(self._links[before].name)
                 if before_group.offload_pending:
                     self._m.wait_offload(before_group.name)
         return True
@@ -339,8 +373,8 @@ class LayerChain:
         link = self._links.get(layer)
         if link is None:  # the chain was reset while a graph was alive
             return
-        own = self._m._group(link.name)
-        if own.load_on_use is None:  # (else each tensor is loaded when backward uses it)
+        own = self._m.chain_group(link.name)
+        if not own.follows_memory:  # (else each tensor is loaded when backward uses it)
             mine = forward.live() if forward is not None else None
             if own.pending_load_bytes(mine):
                 self._m.launch_load(link.name, storages=mine)
@@ -350,7 +384,7 @@ class LayerChain:
             prev_name = self._links[prev].name
             budget = self._m.prefetch_budget()
             theirs = fed_by.live() if fed_by is not None and budget != 0 else None
-            if budget != 0 and self._m._group(prev_name).pending_load_bytes(theirs):
+            if budget != 0 and self._m.chain_group(prev_name).pending_load_bytes(theirs):
                 self._m.launch_load(prev_name, storages=theirs, limit_bytes=budget)
         if own.load_pending:
             self._m.wait_load(link.name)

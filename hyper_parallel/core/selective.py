@@ -164,7 +164,7 @@ class SelectiveRegion:
         self.allow_mutation = allow_cache_entry_mutation
         self.log = OpLog()
         self._storage_factory = storage_factory
-        self._swap_storage: Optional[Any] = None  # the storage MUST_SWAP outputs went to, once there is one
+        self._swap_storage: Optional[Any] = None  # the storage MUST_SWAP outputs go to, once there is one
         self._kinds: Dict[int, Tuple[Any, OpKind]] = {}  # id(op) -> (op, its kind)
         # storage id -> (op key, index) of kept outputs viewing it: an in-place op on one of them
         # later in the forward destroys the value that was kept (see ``_forget_mutated``).
@@ -364,17 +364,10 @@ class SelectiveRegion:
         return x
 
     def _swap(self, x: Any) -> Any:
-        b = self._b
-        if not b.is_tensor(x):
+        if not self._b.is_tensor(x):
             return x
-        alias = b.alias(x)
-        reason = b.unswappable_reason(alias)
-        if reason is not None:
-            storage = self._storage_factory()
-            storage.add_kept(alias, reason)
-            return Saved(alias, b.version, check=not self.allow_mutation)
         storage = self._swap_storage = self._storage_factory()
-        return storage.add_swap(alias)
+        return storage.add(self._b.saved_facts(x, ()), check=not self.allow_mutation)
 
     def _take(self, x: Any) -> Any:
         if isinstance(x, (Saved, SwapView)):

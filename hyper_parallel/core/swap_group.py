@@ -118,7 +118,8 @@ class SwapGroup:
         self.retired = False
         self._b = backend
         self.stats = stats
-        self._pool = pool  # the host buffers of bucketed copies (a solo takes its own in SwapTensor)
+        #: the host buffer pool (a bucket's buffer is taken here, a solo storage's by its SwapTensor)
+        self.pool = pool
         #: cap of one bucket of small storages (``core/swap_bucket.py``), set by the manager; 0:
         #: every storage by itself
         self.bucket_bytes = 0
@@ -137,13 +138,15 @@ class SwapGroup:
         self._on_use = _InFlight()  # the load of one tensor on use (launched and waited at once, under the lock)
         self._skipped_shared: List[SwapTensor] = []
         self.offload_cancelled = False  # launch_load cancelled an offload in flight (for wait_offload's message)
-        # Given to the tensors this group offloads (``SwapTensor.load_on_use``): set by the layer
-        # chain where copies are synchronous, so that backward loads each tensor when it is used.
-        self.load_on_use: Optional[Callable[[SwapTensor], None]] = None
-        # Given to the storages made in this group (``Storage.on_saved``, with its chunk in bytes):
-        # set by the layer chain where copies are synchronous.
-        self.on_saved: Optional[Callable[[Any], None]] = None
-        self.early_chunk = 0
+        #: The schedule flag of the layer chain where copies are synchronous (set per forward):
+        #: its storages offload what the forward dropped as it runs (``Storage.add``) and its
+        #: tensors load when autograd uses them (``SwapTensor.get_val`` -> :meth:`load_now`).
+        self.follows_memory = False
+
+    @property
+    def backend(self) -> Backend:
+        """The backend the group's storages and tensors use."""
+        return self._b
 
     @property
     def offload_pending(self) -> bool:
@@ -199,7 +202,7 @@ class SwapGroup:
         for r in self._storages:
             s = r()
             if s is not None:
-                out.extend(t for t in s.swap_storage if t.state in states)
+                out.extend(t for t in s.swap_tensors if t.state in states)
         return out
 
     def has_state(self, state: TensorState) -> bool:
@@ -212,7 +215,7 @@ class SwapGroup:
 
     def resident_swap_bytes(self) -> int:
         """Bytes of this group's swap candidates that occupy device memory now."""
-        return sum(t.nbytes for s in self.storages() for t in s.swap_tensors() if t.resident_candidate)
+        return sum(t.nbytes for s in self.storages() for t in s.swap_tensors if t.resident_candidate)
 
     def forget_in_flight(self) -> None:
         """Every storage of the group died: nothing can wait for its copies any more (their host
@@ -265,11 +268,11 @@ class SwapGroup:
 
     def offload_dropped(self, storage: Any) -> None:
         """Offload the tensors of ``storage`` that only the swap system still holds (the forward
-        dropped them: ``Storage.dropped``) and wait at once: the layer chain's early offload where
-        copies are synchronous, during the forward that saves them. Nothing while an offload of
-        the group is in flight."""
-        if not self.offload_pending:
-            dead = storage.dropped()
+        dropped them: ``Storage.dropped``) and wait at once, under the manager's lock: the early
+        offload of a group that follows memory, during the forward that saves them. Nothing while
+        an offload of the group is in flight, or once the manager has forgotten the group."""
+        with self._lock:
+            dead = storage.dropped() if not (self.retired or self.offload_pending) else None
             if dead:
                 with self._b.trace_range(self._ranges["launch_offload"]):
                     self._launch_offload(self._copy_streams, runs=[dead])
@@ -296,8 +299,7 @@ class SwapGroup:
             self.stats.keep(reason, t.nbytes)
 
     def _offloaded(self, t: SwapTensor) -> None:
-        """The offload copy of ``t`` was issued: its statistics, and its load on use."""
-        t.load_on_use = self.load_on_use
+        """The offload copy of ``t`` was issued: its statistics."""
         self.stats.offloaded_bytes += t.nbytes
         if t.shared_skips:  # it was counted as kept 'shared' by an earlier launch
             self.stats.keep(KeepReason.SHARED, -t.nbytes)
@@ -310,7 +312,7 @@ class SwapGroup:
         for r in self._storages:
             s = r()
             if s is not None:
-                run = [t for t in s.swap_storage if t.state is TensorState.DEVICE and t.kept_reason is None]
+                run = [t for t in s.swap_tensors if t.state is TensorState.DEVICE and t.kept_reason is None]
                 if run:
                     runs.append(run)
         return runs
@@ -359,11 +361,11 @@ class SwapGroup:
         they were, and returns the unused shares of a bucket's buffer)."""
         buckets, solos = plan_buckets(ready, self.bucket_bytes)
         for members, offsets, nbytes in buckets:
-            host = self._pool.acquire(nbytes, copy_stream)
+            host = self.pool.acquire(nbytes, copy_stream)
             if host is None:  # over the host cap: each member tries for a buffer of its own
                 solos.extend(members)
                 continue
-            bucket = HostBucket(self._pool, host, nbytes, members)
+            bucket = HostBucket(self.pool, host, nbytes, members)
             issued = 0
             try:
                 for t, offset in zip(members, offsets):
@@ -374,7 +376,7 @@ class SwapGroup:
                 for _ in range(len(members) - issued):
                     bucket.release(self._b.record_event(copy_stream))
         for t in solos:
-            host = self._pool.acquire(t.nbytes, copy_stream)
+            host = self.pool.acquire(t.nbytes, copy_stream)
             if host is None:
                 self.stats.keep(t.keep(KeepReason.HOST_LIMIT), t.nbytes)
                 continue
@@ -383,7 +385,7 @@ class SwapGroup:
             except BaseException:
                 # Nothing of ours is in flight; guard the buffer with the copy stream anyway, in
                 # case the framework queued part of the copy before failing.
-                self._pool.release(host, t.nbytes, self._b.record_event(copy_stream))
+                self.pool.release(host, t.nbytes, self._b.record_event(copy_stream))
                 raise
             started.append(t)
 
@@ -448,13 +450,12 @@ class SwapGroup:
 
     def _in_backward_order(self, storages: Optional[Sequence[Any]], *states: TensorState) -> List[SwapTensor]:
         chosen = self.storages() if storages is None else [s for s in storages if s is not None]
-        return [t for s in reversed(chosen) for t in reversed(list(s.swap_tensors())) if t.state in states]
+        return [t for s in reversed(chosen) for t in reversed(s.swap_tensors) if t.state in states]
 
     def load_now(self, t: SwapTensor) -> None:
         """Load the offloaded tensor ``t`` now (with the siblings of its bucket, which share its
         copy) and wait: the layer chain's load on use where copies are synchronous (this method is
-        the ``SwapTensor.load_on_use`` of the tensors it offloads there), called when autograd
-        unpacks ``t``. The transitions of ``launch_load`` + ``wait_load`` for these tensors only,
+        what a tensor of a group that ``follows_memory`` asks), called when autograd unpacks ``t``. The transitions of ``launch_load`` + ``wait_load`` for these tensors only,
         under the manager's lock; nothing once the manager has forgotten this group (``retired``:
         the tensor then says which group to load)."""
         with self._lock:
@@ -470,17 +471,16 @@ class SwapGroup:
                                                  SwapTensor.wait_load)
 
     @staticmethod
-    def _with_siblings(tensors: List[SwapTensor]) -> List[SwapTensor]:
+    def _with_siblings(tensors: List[SwapTensor]) -> Dict[Any, List[SwapTensor]]:
         """``tensors`` plus the members of their buckets still on the host (a bucket comes back
-        whole: its members share one copy), each once, in order."""
-        out: List[SwapTensor] = []
+        whole: its members share one copy), each once, in order, by device (as ``_by_device``)."""
+        out: Dict[Any, List[SwapTensor]] = {}
         seen = set()
         for t in tensors:
-            group = [t] if t.bucket is None else t.bucket.members(TensorState.HOST)
-            for m in group:
+            for m in [t] if t.bucket is None else t.bucket.members(TensorState.HOST):
                 if id(m) not in seen:
                     seen.add(id(m))
-                    out.append(m)
+                    out.setdefault(m.device, []).append(m)
         return out
 
     @staticmethod
@@ -523,7 +523,7 @@ class SwapGroup:
         left for the wait of ``flight``. A tensor whose copy was not issued (a failure) goes back
         to the host. Returns the bytes whose copies were issued."""
         issued_bytes = 0
-        for device, on_device in _by_device(self._with_siblings(tensors)).items():
+        for device, on_device in self._with_siblings(tensors).items():
             copy_stream = copy_streams(device)
             compute = self._b.current_stream(device)
             bucket_devs: Dict[Any, Any] = {}

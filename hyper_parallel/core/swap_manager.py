@@ -119,9 +119,6 @@ class SwapManager:
         self._copy_streams: Dict[Any, Any] = {}  # device -> the manager's copy stream there
         self._prefetch_budget: Any = _AUTO
         self._bucket_bytes = 0  # bucketed copies are opt-in (see set_bucket_bytes)
-        # The records of the chained layer forwards running now (innermost last): a storage made
-        # while one runs belongs to that forward (see LayerChain).
-        self._forward_records: List[Any] = []
         self._pool = HostBufferPool(self.backend)
         self._chain = LayerChain(self)  # cleared, never replaced: it may still receive hook calls
 
@@ -151,12 +148,9 @@ class SwapManager:
         with self._locked:
             name = group_name or self._current_group_name or DEFAULT_GROUP
             group = self._group(name, create=True)
-            storage = Storage(self.backend, self._pool, name, group.stats)
-            if group.on_saved is not None:
-                storage.on_saved, storage.early_chunk = group.on_saved, group.early_chunk
+            storage = Storage(group)
             self._add_storage(group, storage, new=True)
-            if self._forward_records:
-                self._forward_records[-1].add(storage)
+            self._chain.storage_made(storage)
             return storage
 
     def add_storage(self, group_name: str, storage: Storage) -> None:
@@ -235,22 +229,7 @@ class SwapManager:
         with self._locked:
             if group_name is not None:
                 self._group(group_name, create=True)
-            self._switch_group(group_name)
-
-    def _offload_dead(self, storage: Storage) -> None:
-        """``Storage.on_saved`` of the layer chain's groups where copies are synchronous: offload
-        the storage's tensors that the forward no longer holds, now rather than at the layer's end."""
-        with self._locked:
-            group = self._groups.get(storage.group_name)
-            if group is not None:
-                group.offload_dropped(storage)
-
-    def _switch_group(self, group_name: Optional[str]) -> None:
-        """``set_current_group_name`` for the layer chain, which holds the lock and passes a name
-        that was valid already (a chained layer's group, or the name it replaced)."""
-        previous, self._current_group_name = self._current_group_name, group_name
-        if previous is not None and previous != group_name:
-            self._forget_if_empty(previous)
+            self.switch_group(group_name)
 
     def discard_group(self, group_name: str) -> None:
         """Forget group ``group_name`` without moving anything (no-op if unknown): storages of it
@@ -310,12 +289,6 @@ class SwapManager:
             group = self._live_group(group_name)
             if group is not None:
                 group.launch_offload(self._streams(copy_stream))
-
-    # The layer chain's own call: it holds the lock already (it does not take it again).
-    def _retry_offload(self, group_name: str) -> None:
-        """The layer chain's second try: launch the offload of what group ``group_name``'s last
-        launch skipped because somebody else held it then (``SwapGroup.retry_offload``)."""
-        self._group(group_name).retry_offload()
 
     def wait_offload(self, group_name: str) -> None:
         """Make compute wait for the group's offload and release its device memory."""
@@ -448,6 +421,27 @@ class SwapManager:
         """The group name the layer chain gave ``layer`` (``None`` if not chained)."""
         return self._chain.group_name(layer)
 
+    # ------------------------------------------------------------------ the layer chain's interface
+    # What ``LayerChain`` uses beyond the public schedule calls (``layer_chain.ChainManager``): for
+    # the package's schedules, called with the manager's lock held.
+    def chain_group(self, group_name: str) -> SwapGroup:
+        """The group of a chained layer, created if new; it lives as long as the chain."""
+        return self._group(group_name, create=True, persistent=True)
+
+    def switch_group(self, group_name: Optional[str]) -> Optional[str]:
+        """Make ``group_name`` (a chained layer's group, or the name one replaced) current without
+        checking it; returns the previous current name. A group left behind with no live storage
+        is forgotten."""
+        previous, self._current_group_name = self._current_group_name, group_name
+        if previous is not None and previous != group_name:
+            self._forget_if_empty(previous)
+        return previous
+
+    def retry_offload(self, group_name: str) -> None:
+        """Launch the offload of what group ``group_name``'s last launch skipped because somebody
+        else held it then (``SwapGroup.retry_offload``): the layer chain's second try."""
+        self._group(group_name).retry_offload()
+
     # ------------------------------------------------------------------ housekeeping
     def set_host_memory_limit(self, limit_bytes: Optional[int]) -> None:
         """Cap the host memory the swap pool may reserve; past it tensors stay on the device and
@@ -510,7 +504,6 @@ class SwapManager:
             self._current_group_name = None
             self._copy_streams = {}
             self._prefetch_budget = _AUTO
-            self._forward_records = []
             # The backend is read again: a test or tool may have switched it (core.backend.use_backend).
             self.backend = active_backend()
             self._overlap = None

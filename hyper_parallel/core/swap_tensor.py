@@ -28,9 +28,9 @@ storage that dies while its copy is in flight. Each of these is one method (``_p
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
-from .backend import Backend, SavedFacts
+from .backend import SavedFacts
 from .keep_reason import KeepReason
 
 __all__ = ["TensorState", "SwapTensor", "SwapView"]
@@ -44,23 +44,24 @@ class TensorState(enum.Enum):
 
 
 class SwapTensor:
-    """State machine of one saved device storage (see the module docstring).
+    """One device *storage* that a region saved (every saved tensor viewing it is one of its
+    aliases), its host copy, and the state machine between them (see the module docstring).
 
-    ``backend`` supplies the tensor operations; ``pool`` the host buffers; ``group_name`` is
-    only used to say which group to load in error messages; ``facts`` describe the first saved
-    tensor (:meth:`Backend.saved_facts` of a swap candidate).
+    ``group`` is the ``SwapGroup`` of the region's ``Storage`` (its backend and host pool; its
+    name in error messages; whether it loads this storage when autograd asks for it while on the
+    host, ``follows_memory``); ``facts`` describe the first saved tensor (``Backend.saved_facts``
+    of a swap candidate).
     """
 
     # One is made per saved storage: slots keep the constructor and attribute reads cheap.
-    __slots__ = ("_b", "_pool", "group_name", "nbytes", "state", "_aliases", "_versions", "_metas", "_src",
+    __slots__ = ("_b", "group", "nbytes", "state", "_aliases", "_versions", "_metas", "_src",
                  "_host", "_dev", "_views", "released", "_host_guard", "kept_reason", "shared_skips", "device",
-                 "producers", "_copy_stream", "_dev_stream", "_load_event", "_ready", "load_issued", "load_on_use",
+                 "producers", "_copy_stream", "_dev_stream", "_load_event", "_ready", "load_issued",
                  "bucket", "slot_offset", "_block", "__weakref__")
 
-    def __init__(self, backend: Backend, pool: Any, group_name: str, facts: SavedFacts) -> None:
-        self._b = backend
-        self._pool = pool
-        self.group_name = group_name
+    def __init__(self, group: Any, facts: SavedFacts) -> None:
+        self._b = group.backend
+        self.group = group
         self.nbytes: int = facts.nbytes
         self.state = TensorState.DEVICE  # read-only outside this class (a plain attribute: read per tensor)
         # Detached aliases of the saved tensors: they keep the storage alive and share the
@@ -92,10 +93,6 @@ class SwapTensor:
         self._load_event: Any = None   # the event after the H2D copy into ``_dev``
         self._ready: List[Any] = []    # streams known to be ordered after ``_load_event``
         self.load_issued = False       # in state h2d: the copy was issued (not only the allocation)
-        # Set by the group that offloaded it when nothing schedules its load (the layer chain where
-        # copies are synchronous): get_val then loads it, as save_on_cpu's unpack does, so that
-        # backward holds only the reloaded tensors in use, not a whole layer.
-        self.load_on_use: Optional[Callable[["SwapTensor"], None]] = None
 
     # ----------------------------------------------------------------- bookkeeping
     @property
@@ -130,7 +127,7 @@ class SwapTensor:
         its index."""
         if self.state is not TensorState.DEVICE or self._aliases is None:
             raise RuntimeError(
-                f"swap group '{self.group_name}': a tensor was saved into a storage that is already "
+                f"swap group '{self.group.name}': a tensor was saved into a storage that is already "
                 f"{self.state.value}; save all tensors of a region before launching its offload.")
         self._aliases.append(facts.alias)
         self._versions.append(facts.version)
@@ -146,7 +143,7 @@ class SwapTensor:
         for i, alias in enumerate(self._aliases):
             now = self._b.version(alias)
             if now != self._versions[i]:
-                return (f"a tensor saved for backward in swap group '{self.group_name}' was modified by an "
+                return (f"a tensor saved for backward in swap group '{self.group.name}' was modified by an "
                         f"in-place operation after it was saved (version {self._versions[i]} when saved, "
                         f"{now} now); gradients would be wrong. Avoid the in-place op (use its "
                         "out-of-place form) or clone the tensor before the op that saves it.")
@@ -171,18 +168,22 @@ class SwapTensor:
             # The copy only reads the source, which stays intact until wait_offload.
             return self._b.rebuild_view(self._src, self._metas[index])
         if state is TensorState.HOST:
-            if self.load_on_use is not None:
-                self.load_on_use(self)
+            group = self.group
+            if group.follows_memory:
+                # Nothing schedules its load (the layer chain where copies are synchronous): load
+                # it now, as save_on_cpu's unpack does, so that backward holds only the reloaded
+                # tensors in use, not a whole layer.
+                group.load_now(self)
                 if self.state is TensorState.DEVICE:
                     return self._b.rebuild_view(self._dev, self._metas[index])
             raise RuntimeError(
-                f"a saved tensor of swap group '{self.group_name}' is on the host (state 'host'): it was "
+                f"a saved tensor of swap group '{self.group.name}' is on the host (state 'host'): it was "
                 "offloaded and never loaded back. Call SwapManager().launch_load"
-                f"('{self.group_name}') and SwapManager().wait_load('{self.group_name}') before the "
+                f"('{self.group.name}') and SwapManager().wait_load('{self.group.name}') before the "
                 "backward that needs it, or chain the layers with set_forward_prefetch_layer.")
         raise RuntimeError(
-            f"a saved tensor of swap group '{self.group_name}' is still being loaded (state 'h2d'). "
-            f"Call SwapManager().wait_load('{self.group_name}') before the backward that needs it.")
+            f"a saved tensor of swap group '{self.group.name}' is still being loaded (state 'h2d'). "
+            f"Call SwapManager().wait_load('{self.group.name}') before the backward that needs it.")
 
     def _drop_if_unused(self) -> None:
         """On the device with no saved tensor left to read it (autograd dropped them all, possibly
@@ -198,7 +199,7 @@ class SwapTensor:
         """``None`` when this storage can be offloaded now, else why it stays on the device (kept
         for good, except ``SHARED``: see below)."""
         if self.state is not TensorState.DEVICE:
-            raise RuntimeError(f"swap group '{self.group_name}': offload of a tensor in state "
+            raise RuntimeError(f"swap group '{self.group.name}': offload of a tensor in state "
                                f"'{self.state.value}'; only tensors on the device can be offloaded.")
         if self.kept_reason is not None:
             return self.kept_reason
@@ -239,7 +240,7 @@ class SwapTensor:
         stream is not ordered after the D2H, so the block is protected until the copy is done."""
         if self.state is not TensorState.D2H:
             raise RuntimeError(
-                f"swap group '{self.group_name}': wait_offload on a tensor in state "
+                f"swap group '{self.group.name}': wait_offload on a tensor in state "
                 f"'{self.state.value}'; call launch_offload first.")
         if waiter is not None and any(not (p == waiter) for p in self.producers):
             self._protect(self._src, self._copy_stream)
@@ -267,7 +268,7 @@ class SwapTensor:
         ``bucket_devs`` (the launch's bucket -> device buffer)."""
         if self.state is not TensorState.HOST:
             raise RuntimeError(
-                f"swap group '{self.group_name}': launch_load on a tensor in state '{self.state.value}'.")
+                f"swap group '{self.group.name}': launch_load on a tensor in state '{self.state.value}'.")
         self._dev_stream = compute
         bucket = self.bucket
         if bucket is None:
@@ -303,7 +304,7 @@ class SwapTensor:
         """The load's event (:meth:`set_copy_event`) has been waited on stream ``waiter``."""
         if self.state is not TensorState.H2D:
             raise RuntimeError(
-                f"swap group '{self.group_name}': wait_load on a tensor in state "
+                f"swap group '{self.group.name}': wait_load on a tensor in state "
                 f"'{self.state.value}'; call launch_load first.")
         self._load_event = self._host_guard  # the load's event: the H2D reads the host buffer until then
         self._release_host(self._host_guard)
@@ -335,7 +336,7 @@ class SwapTensor:
             if self.bucket is not None:
                 self.bucket.release(guard)
             else:
-                self._pool.release(self._host, self.nbytes, guard)
+                self.group.pool.release(self._host, self.nbytes, guard)
             self._host = None
 
     def set_copy_event(self, event: Any) -> None:
@@ -359,7 +360,7 @@ class SwapTensor:
             pass
 
     def __repr__(self) -> str:
-        return f"SwapTensor(group={self.group_name!r}, nbytes={self.nbytes}, state={self.state.value})"
+        return f"SwapTensor(group={self.group.name!r}, nbytes={self.nbytes}, state={self.state.value})"
 
 
 class SwapView:
