@@ -131,10 +131,9 @@ def _offload(records: List[_Record], counter: ByteCounter) -> List[_Record]:
         aliases = rec.aliases
         if rec.state != _ON_DEVICE or aliases is None:
             continue
-        changed, viewers = _shim.saved_storage_state(aliases, rec.versions)
-        if changed:
+        if any(_shim.version(a) != v for a, v in zip(aliases, rec.versions)):
             continue
-        if viewers > len(aliases):
+        if _shim.storage_use_count(aliases[0].untyped_storage()) - 1 > len(aliases):
             rec.skips += 1
             skipped.append(rec)
             continue

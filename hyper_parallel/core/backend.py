@@ -52,16 +52,18 @@ class OpKind(enum.Enum):
 
 
 class SavedFacts(NamedTuple):
-    """What the swap path needs to know about one tensor autograd saves, answered by
+    """What the swap path needs to know about one tensor a region saves, answered by
     :meth:`Backend.saved_facts` in one call (it runs for every saved tensor).
 
     ``reason`` is ``None`` for a swap candidate, else why the tensor stays on the device as it is.
     ``alias`` (see :meth:`Backend.alias`) and ``version`` (its version counter now) are always set;
     ``nbytes`` is the storage's size (0 where it cannot be measured); ``key`` the storage's
-    :meth:`Backend.storage_id` once the tensor passed :meth:`Backend.unswappable_reason` (a
-    candidate, a parameter, a buffer), else ``None``. ``meta`` (the alias's
-    :meth:`Backend.view_meta`), ``device`` (its :meth:`Backend.device_key`) and ``stream`` (the
-    current stream there: the producer) are set for a swap candidate only (else ``None``)."""
+    :meth:`Backend.storage_id` for a candidate, a parameter or a buffer, else ``None``. ``meta``
+    (what :meth:`Backend.rebuild_view` and :meth:`Backend.empty_device_bytes` need: size, stride,
+    storage offset, dtype, device), ``device`` (the device whose streams order the storage's
+    copies, what :meth:`Backend.current_stream` and :meth:`Backend.new_copy_stream` take) and
+    ``stream`` (the current stream there: the producer) are set for a swap candidate only (else
+    ``None``)."""
 
     reason: Optional[KeepReason]
     alias: Tensor
@@ -103,7 +105,7 @@ class Backend(abc.ABC):
     #: op, as PyTorch's ``OpOverload``): a selective region then remembers each op's kind per object.
     persistent_ops: bool = False
 
-    # ------------------------------------------------------------------ tensors: identity, layout
+    # ------------------------------------------------------------------ tensors
     @abc.abstractmethod
     def is_tensor(self, x: Any) -> bool:
         """True for a tensor of this framework."""
@@ -116,8 +118,16 @@ class Backend(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def storage_nbytes(self, t: Tensor) -> int:
-        """Bytes of the whole storage ``t`` views (what an offload copies)."""
+    def saved_facts(self, t: Tensor, param_keys: Container[int]) -> SavedFacts:
+        """Everything the swap path needs to know about a tensor a region saves (see
+        :class:`SavedFacts`), in one call: it runs for every tensor autograd saves in a swap
+        region. The reason it stays on the device, checked in this order: ``UNSUPPORTED_TENSOR``
+        (a tensor type a byte copy cannot rebuild), ``ON_HOST`` (already in host memory),
+        ``EMPTY`` (an empty storage), ``PARAMETER`` / ``BUFFER`` when its storage is one of
+        ``param_keys`` (by whether it requires grad), ``PARAMETER`` for a view of a leaf that
+        requires grad (a parameter or an input being differentiated, held outside the region);
+        else it is a swap candidate. Callable from a saved-tensor hook and from inside a dispatch
+        mode (below autograd, where the alias must still share the version counter)."""
         ...
 
     @abc.abstractmethod
@@ -126,26 +136,9 @@ class Backend(abc.ABC):
         framework cannot tell (then every candidate is copied, which stays safe)."""
         ...
 
-    def offload_blocker(self, aliases: Sequence[Tensor], versions: Sequence[int]) -> Optional[KeepReason]:
-        """Why the storage that ``aliases`` (saved tensors, ``versions`` their versions when saved)
-        view cannot be offloaded now: ``MODIFIED_IN_PLACE`` when one was changed in place since
-        (its :meth:`version` moved), else ``SHARED`` when :meth:`storage_other_holders` is above 0;
-        ``None`` when it can go. One call for what an offload checks per storage; the default
-        composes those primitives, and an override must give the same answers."""
-        for alias, saved in zip(aliases, versions):
-            if self.version(alias) != saved:
-                return KeepReason.MODIFIED_IN_PLACE
-        return KeepReason.SHARED if self.storage_other_holders(aliases) > 0 else None
-
     @abc.abstractmethod
     def version(self, t: Tensor) -> int:
         """The version counter bumped by every in-place change of ``t``'s data (shared by aliases)."""
-        ...
-
-    @abc.abstractmethod
-    def view_meta(self, t: Tensor) -> ViewMeta:
-        """Everything :meth:`rebuild_view` needs to rebuild ``t`` over a copy of its storage:
-        size, stride, storage offset, dtype, device."""
         ...
 
     @abc.abstractmethod
@@ -166,51 +159,9 @@ class Backend(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def unswappable_reason(self, t: Tensor) -> Optional[KeepReason]:
-        """Why ``t`` cannot be swapped (``None`` if it can): a tensor type the byte copy cannot
-        rebuild, a tensor already in host memory, an empty storage."""
-        ...
-
-    @abc.abstractmethod
     def requires_grad(self, t: Tensor) -> bool:
         """Whether ``t`` requires grad (its gradient is computed in backward)."""
         ...
-
-    @abc.abstractmethod
-    def is_grad_leaf(self, t: Tensor) -> bool:
-        """Whether ``t`` (or the tensor it is a view of) is a leaf that requires grad: a parameter
-        or an input being differentiated, held outside any region."""
-        ...
-
-    def saved_facts(self, t: Tensor, param_keys: Container[int]) -> SavedFacts:
-        """Everything a saved-tensor pack needs to know about ``t`` (see :class:`SavedFacts`), with
-        the reason it stays on the device: :meth:`unswappable_reason`, else ``PARAMETER`` /
-        ``BUFFER`` when its storage is one of ``param_keys`` (by :meth:`requires_grad`), else
-        ``PARAMETER`` for a :meth:`is_grad_leaf`. The default composes those primitives; a backend
-        may answer in one call, with exactly the same answers (``tests/test_backend_contract.py``
-        compares them)."""
-        alias = self.alias(t)
-        version = self.version(alias)
-        reason = self.unswappable_reason(t)
-        if reason is not None:
-            nbytes = 0 if reason is KeepReason.UNSUPPORTED_TENSOR else self.storage_nbytes(t)
-            return SavedFacts(reason, alias, version, None, nbytes, None, None, None)
-        key = self.storage_id(t)
-        nbytes = self.storage_nbytes(t)
-        if key in param_keys:
-            reason = KeepReason.PARAMETER if self.requires_grad(t) else KeepReason.BUFFER
-        elif self.is_grad_leaf(t):
-            reason = KeepReason.PARAMETER
-        if reason is not None:
-            return SavedFacts(reason, alias, version, key, nbytes, None, None, None)
-        return self.candidate_facts(alias, version, key, nbytes)
-
-    def candidate_facts(self, alias: Tensor, version: int, key: int, nbytes: int) -> SavedFacts:
-        """The :class:`SavedFacts` of a swap candidate whose ``alias``, ``version``, storage
-        ``key`` and ``nbytes`` are known: its view metadata, device and producer stream added."""
-        meta = self.view_meta(alias)
-        device = self.device_key(meta)
-        return SavedFacts(None, alias, version, key, nbytes, meta, device, self.current_stream(device))
 
     # ------------------------------------------------------------------ byte views, allocation, copies
     @abc.abstractmethod
@@ -223,12 +174,13 @@ class Backend(abc.ABC):
     #: it, ``core/swap_bucket.py``; without it every storage is copied by itself).
     supports_slots: bool = False
 
+    @abc.abstractmethod
     def slot_bytes(self, buf: Tensor, offset: int, nbytes: int) -> Any:
         """Bytes ``[offset, offset + nbytes)`` of ``buf``'s storage as a storage of their own that
         shares ``buf``'s memory and keeps it alive: views rebuilt over it (:meth:`rebuild_view`)
         keep their original storage offset and storage size. Only called where
-        :attr:`supports_slots` is true."""
-        raise NotImplementedError(f"{type(self).__name__} cannot make a storage over part of another")
+        :attr:`supports_slots` is true (elsewhere: raise)."""
+        ...
 
     @abc.abstractmethod
     def empty_device_bytes(self, nbytes: int, like: ViewMeta) -> Tensor:
@@ -241,16 +193,17 @@ class Backend(abc.ABC):
         """``nbytes`` host bytes, page-locked where the framework offers it (asynchronous copies)."""
         ...
 
+    @abc.abstractmethod
     def host_alloc_size(self, nbytes: int) -> int:
         """Bytes the framework's host allocator really reserves for an :meth:`empty_host_bytes`
-        request of ``nbytes`` (what the host pool counts against its cap). The default: exactly
-        ``nbytes``."""
-        return nbytes
+        request of ``nbytes`` (what the host pool counts against its cap)."""
+        ...
 
+    @abc.abstractmethod
     def empty_host_cache(self) -> None:
         """Return the host memory the framework's host allocator caches (blocks no tensor uses)
-        to the operating system. The default does nothing (no caching host allocator)."""
-        return None
+        to the operating system (nothing where it caches none)."""
+        ...
 
     @abc.abstractmethod
     def copy_bytes(self, dst: Tensor, src: Tensor, dst_offset: int = 0) -> None:
@@ -267,22 +220,16 @@ class Backend(abc.ABC):
         ...
 
     # ------------------------------------------------------------------ streams and events
-    def device_key(self, meta: ViewMeta) -> Hashable:
-        """The device whose streams order work on a tensor with this :meth:`view_meta` (what
-        :meth:`current_stream` and :meth:`new_copy_stream` take); ``None`` means the current
-        device. The default: ``None`` (one device per process)."""
-        return None
-
     @abc.abstractmethod
     def current_stream(self, device: Hashable = None) -> Stream:
-        """The stream compute runs on now on ``device`` (a :meth:`device_key`; ``None``: the
+        """The stream compute runs on now on ``device`` (a :attr:`SavedFacts.device`; ``None``: the
         current device); ``None`` without streams."""
         ...
 
     @abc.abstractmethod
     def new_copy_stream(self, device: Hashable = None) -> Stream:
-        """A new stream for copies on ``device`` (a :meth:`device_key`; ``None``: the current
-        device); ``None`` without streams."""
+        """A new stream for copies on ``device`` (a :attr:`SavedFacts.device`; ``None``: the
+        current device); ``None`` without streams."""
         ...
 
     @abc.abstractmethod
@@ -290,16 +237,15 @@ class Backend(abc.ABC):
         """Make ``stream`` current (on its device) inside the ``with`` block."""
         ...
 
+    @abc.abstractmethod
     def record_event(self, stream: Stream) -> Event:
-        """An event marking the work queued on ``stream`` so far (``None`` without streams).
-        The default uses the stream protocol torch and MindSpore share (``stream.record_event()``)."""
-        return stream.record_event() if stream is not None else None
+        """An event marking the work queued on ``stream`` so far (``None`` without streams)."""
+        ...
 
+    @abc.abstractmethod
     def wait_event(self, stream: Stream, event: Event) -> None:
-        """Work queued on ``stream`` from now on starts after ``event`` (no-op if either is None).
-        The default uses the shared stream protocol (``stream.wait_event(event)``)."""
-        if stream is not None and event is not None:
-            stream.wait_event(event)
+        """Work queued on ``stream`` from now on starts after ``event`` (no-op if either is None)."""
+        ...
 
     @abc.abstractmethod
     def trace_range(self, name: str) -> ContextManager[Any]:
@@ -363,13 +309,14 @@ class Backend(abc.ABC):
         ``region_state.RegionMarker(recompute, frame)`` while active."""
         ...
 
+    @abc.abstractmethod
     def recomputed_leaf(self, t: Tensor, requires_grad: bool) -> Tensor:
         """A tensor over ``t``'s data, with no autograd history, that requires grad iff
         ``requires_grad``: what a recomputation receives in place of the output of a sub-module
         excluded from it (``checkpoint_exclude_wrapper``), so that the ops after it save what they
-        saved in forward. The default says the backend does not support exclusion."""
-        raise RuntimeError(f"checkpoint_exclude_wrapper is not supported on the {self.name} backend (PyTorch "
-                           "only); keep the sub-module's outputs with a selective policy (MUST_SAVE for its ops) instead.")
+        saved in forward. Only called where :attr:`exclusion_supported` is true (elsewhere: raise
+        a clear error)."""
+        ...
 
     @abc.abstractmethod
     def compiling(self) -> bool:
@@ -450,14 +397,10 @@ class Backend(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def module_tensors(self, module: Module) -> Iterator[Tensor]:
-        """The parameters and buffers of ``module`` and its sub-modules."""
-        ...
-
     def module_storage_ids(self, module: Module) -> Set[int]:
-        """``storage_id`` of every tensor of :meth:`module_tensors` (read on every call of a swap
-        region: a backend may answer in one call)."""
-        return {self.storage_id(t) for t in self.module_tensors(module)}
+        """:meth:`storage_id` of every parameter and buffer of ``module`` and its sub-modules (read
+        on every call of a swap region: they are never swap candidates)."""
+        ...
 
     @abc.abstractmethod
     def has_buffers(self, module: Module) -> bool:

@@ -82,7 +82,7 @@ class SwapTensor:
         self._host_guard: Any = None  # offload event: the host buffer is written until it fires
         self.kept_reason: Optional[KeepReason] = None  # set once the storage stays on the device for good
         self.shared_skips = 0  # launches that skipped it because somebody else held it
-        #: the device whose streams order this storage's copies (``Backend.device_key``)
+        #: the device whose streams order this storage's copies (``SavedFacts.device``)
         self.device = facts.device
         # Streams current when the aliases were saved (their producers): the copy stream waits
         # them all, and the source's release is protected when one of them is not the stream
@@ -138,6 +138,7 @@ class SwapTensor:
         return len(self._aliases) - 1
 
     def _mutation(self) -> Optional[str]:
+        """What is wrong if a saved alias was changed in place since it was saved, else ``None``."""
         if self._aliases is None:
             return None
         for i, alias in enumerate(self._aliases):
@@ -205,17 +206,16 @@ class SwapTensor:
             return self.kept_reason
         if self._aliases is None:  # reloaded earlier in this step: a second offload is a new save
             return self.keep(KeepReason.RELOADED)
-        blocker = self._b.offload_blocker(self._aliases, self._versions)
-        if blocker is None:
-            return None
-        if blocker is KeepReason.SHARED:
+        if self._mutation() is not None:  # modified in place since it was saved
+            return self.keep(KeepReason.MODIFIED_IN_PLACE)
+        if self.held_elsewhere():
             # Somebody else (the caller still holding a layer's input, a shared mask...) holds
             # this storage: copying it now would free nothing, so skip the bandwidth. Unlike the
             # other reasons this one can pass (the caller moves on to the next layer): the next
             # launch of the group tries again.
             self.shared_skips += 1
-            return blocker
-        return self.keep(blocker)  # modified in place since it was saved
+            return KeepReason.SHARED
+        return None
 
     def start_offload(self, host: Any, copy_stream: Any, bucket: Any = None, offset: int = 0) -> None:
         """Issue the D2H copy of the whole storage into ``host`` at byte ``offset`` (a slot of

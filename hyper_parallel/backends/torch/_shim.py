@@ -12,7 +12,7 @@ from typing import Any, List, Sequence, Set, Tuple
 __all__ = ["storage_key", "storage_keys", "version", "storage_use_count", "in_backward", "detach_keeping_version",
            "pipeline_stages", "drop_pipeline_losses", "trace_range", "fsdp_module_class", "innermost_saved_tensors_hooks",
            "functional_collective", "is_compiled_module",
-           "pinned_alloc_size", "empty_host_cache", "saved_identity", "saved_storage_state"]
+           "pinned_alloc_size", "empty_host_cache", "saved_identity"]
 
 # Namespaces of PyTorch's functional collectives (and their waits): ops that communicate.
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
@@ -69,18 +69,6 @@ def saved_identity(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
     alias = detach_keeping_version(x)
     storage = x.untyped_storage()
     return alias, alias._version, storage._cdata, storage.nbytes()
-
-
-def saved_storage_state(aliases: Sequence[torch.Tensor], versions: Sequence[int]) -> Tuple[bool, int]:
-    """``(whether the version of an alias is no longer the one in versions, how many tensors view
-    the aliases' common storage)``: the private reads an offload makes for every storage, in one
-    call (see ``storage_use_count``)."""
-    changed = False
-    for alias, saved in zip(aliases, versions):
-        if alias._version != saved:
-            changed = True
-            break
-    return changed, storage_use_count(aliases[0].untyped_storage()) - 1
 
 
 def pipeline_stages(schedule: Any) -> List[Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from typing import Any, Callable, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.utils.checkpoint as torch_ckpt
@@ -26,15 +26,21 @@ from hyper_parallel.core.region_state import RegionMarker
 
 from . import _shim
 
-__all__ = ["TorchBackend", "ViewMeta", "not_byte_copyable"]
+__all__ = ["TorchBackend", "ViewMeta", "HOST", "not_byte_copyable"]
 
 
 class ViewMeta(NamedTuple):
+    """A saved view's layout: what rebuilds it over a copy of its storage."""
+
     size: Tuple[int, ...]
     stride: Tuple[int, ...]
     offset: int
     dtype: torch.dtype
-    device: torch.device
+    device: Any  # ``TorchBackend.device_of``: the torch.device (a simulated device's own key there)
+
+
+#: ``TorchBackend.device_of`` of a storage in host memory next to an accelerator.
+HOST = "host"
 
 
 _TORCH_POLICY = torch_ckpt.CheckpointPolicy
@@ -210,7 +216,6 @@ class _NoCompileHook:
         return (_NoCompileHook, (self.hook,))
 
 
-_CPU = torch.device("cpu")
 _new_tuple = tuple.__new__
 _STRIDED = torch.strided
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: nullcontext keeps no state
@@ -265,55 +270,26 @@ class TorchBackend(Backend):
     # The per-tensor primitives below run for every saved tensor: the shim's functions are bound
     # directly (one call instead of two).
     storage_id = staticmethod(_shim.storage_key)
-
-    def storage_nbytes(self, t: torch.Tensor) -> int:
-        return t.untyped_storage().nbytes()
-
-    def storage_other_holders(self, aliases: Sequence[torch.Tensor]) -> int:
-        storage = aliases[0].untyped_storage()
-        # use count = tensors viewing the storage + 1 for the `storage` object held here.
-        return _shim.storage_use_count(storage) - 1 - len(aliases)
-
-    def offload_blocker(self, aliases: Sequence[torch.Tensor], versions: Sequence[int]) -> Optional[KeepReason]:
-        # Backend.offload_blocker with one shim call: it runs for every storage an offload considers.
-        changed, viewers = _shim.saved_storage_state(aliases, versions)
-        if changed:
-            return KeepReason.MODIFIED_IN_PLACE
-        return KeepReason.SHARED if viewers > len(aliases) else None
-
     version = staticmethod(_shim.version)
-
-    def view_meta(self, t: torch.Tensor) -> ViewMeta:
-        # Size and stride are tuples. tuple.__new__ directly: a NamedTuple's own constructor is a
-        # Python function, and this runs once per saved storage.
-        return _new_tuple(ViewMeta, (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device))
-
     alias = staticmethod(_shim.detach_keeping_version)
 
-    def hand_back(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def clone(self, t: torch.Tensor) -> torch.Tensor:
-        return t.clone()
-
-    def unswappable_reason(self, t: torch.Tensor) -> Optional[KeepReason]:
-        if not_byte_copyable(t):
-            return KeepReason.UNSUPPORTED_TENSOR
-        if self.accelerator is not None and t.is_cpu:
-            return KeepReason.ON_HOST
-        if t.untyped_storage().nbytes() == 0:
-            return KeepReason.EMPTY
-        return None
+    def device_of(self, t: torch.Tensor) -> Any:
+        """Where the storage of ``t`` lives: :data:`HOST` for host memory next to an accelerator
+        (never swapped), else the device whose streams order its copies. The one per-tensor
+        answer a simulated device gives differently (``hyper_parallel.testing``: which simulated
+        device, or its host buffers); everything else :meth:`saved_facts` asks is the same code."""
+        return HOST if self.accelerator is not None and t.is_cpu else t.device
 
     def saved_facts(self, t: torch.Tensor, param_keys: Any) -> SavedFacts:
-        # The composition of Backend.saved_facts in one call and one shim call: it runs for every
-        # tensor autograd saves in a swap region, and each primitive call costs more than its work.
+        # One call and one shim call (saved_identity) for everything: this runs for every tensor
+        # autograd saves in a swap region, and each further call costs more than its work.
         if not_byte_copyable(t):
             alias = _shim.detach_keeping_version(t)
             return _new_tuple(SavedFacts, (KeepReason.UNSUPPORTED_TENSOR, alias, _shim.version(alias), None, 0,
                                            None, None, None))
         alias, version, key, nbytes = _shim.saved_identity(t)
-        if self.accelerator is not None and t.is_cpu:
+        device = self.device_of(alias)
+        if device is HOST:
             return _new_tuple(SavedFacts, (KeepReason.ON_HOST, alias, version, None, nbytes, None, None, None))
         if nbytes == 0:
             return _new_tuple(SavedFacts, (KeepReason.EMPTY, alias, version, None, 0, None, None, None))
@@ -323,19 +299,23 @@ class TorchBackend(Backend):
         base = t._base if t._base is not None else t
         if base.is_leaf and base.requires_grad:
             return _new_tuple(SavedFacts, (KeepReason.PARAMETER, alias, version, key, nbytes, None, None, None))
-        # view_meta, device_key and current_stream, inline
-        device = alias.device
+        # Size and stride are tuples. tuple.__new__ directly: a NamedTuple's own constructor is a
+        # Python function.
         meta = _new_tuple(ViewMeta, (alias.shape, alias.stride(), alias.storage_offset(), alias.dtype, device))
-        device = None if device == _CPU else device
-        stream = self._dm.current_stream(device) if self._dm is not None else None
-        return _new_tuple(SavedFacts, (None, alias, version, key, nbytes, meta, device, stream))
+        return _new_tuple(SavedFacts, (None, alias, version, key, nbytes, meta, device, self.current_stream(device)))
+
+    def storage_other_holders(self, aliases: Sequence[torch.Tensor]) -> int:
+        # use count = tensors viewing the storage + 1 for the storage object made here.
+        return _shim.storage_use_count(aliases[0].untyped_storage()) - 1 - len(aliases)
+
+    def hand_back(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def clone(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
 
     def requires_grad(self, t: torch.Tensor) -> bool:
         return t.requires_grad
-
-    def is_grad_leaf(self, t: torch.Tensor) -> bool:
-        base = t._base if t._base is not None else t
-        return base.is_leaf and base.requires_grad
 
     # ------------------------------------------------------------------ byte views, allocation, copies
     # Autograd never sees these ops: their inputs are detached aliases and byte tensors that do
@@ -389,11 +369,8 @@ class TorchBackend(Backend):
             t.record_stream(stream)
 
     # ------------------------------------------------------------------ streams and events
-    def device_key(self, meta: ViewMeta) -> Any:
-        # Streams and events belong to one device: a model moved to cuda:1 without
-        # torch.cuda.set_device(1) computes on cuda:1's current stream, not the current device's.
-        return None if meta.device == _CPU else meta.device  # (device.type builds a string: slower)
-
+    # Streams and events belong to one device: a model moved to cuda:1 without
+    # torch.cuda.set_device(1) computes on cuda:1's current stream, not the current device's.
     def current_stream(self, device: Any = None) -> Any:
         return self._dm.current_stream(device) if self._dm is not None else None
 
@@ -406,6 +383,13 @@ class TorchBackend(Backend):
         if stream is None or self._dm is None:
             return _NO_CONTEXT
         return self._dm.stream(stream)
+
+    def record_event(self, stream: Any) -> Any:
+        return stream.record_event() if stream is not None else None
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)
 
     trace_range = staticmethod(_shim.trace_range)  # (opened several times per layer)
 
@@ -550,16 +534,10 @@ class TorchBackend(Backend):
     def is_module(self, x: Any) -> bool:
         return isinstance(x, torch.nn.Module)
 
-    def module_tensors(self, module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    def module_storage_ids(self, module: torch.nn.Module) -> Set[int]:
         # Called on every region call: read the live parameter/buffer dicts (FSDP2 swaps entries
         # of ``_parameters`` directly, ``_apply`` swaps storages), but skip ``named_modules``'
-        # name building; the caller makes a set, so a shared tensor seen twice does no harm. (A
-        # list, built in one comprehension: cheaper than a generator.)
-        return iter([t for m in _submodules(module) for d in (m._parameters, m._buffers)
-                     for t in d.values() if t is not None])
-
-    def module_storage_ids(self, module: torch.nn.Module) -> Set[int]:
-        # module_tensors and storage_id in one pass (one shim call for all the keys).
+        # name building; one shim call for all the keys (a shared tensor seen twice does no harm).
         return _shim.storage_keys([t for m in _submodules(module) for d in (m._parameters, m._buffers)
                                    for t in d.values() if t is not None])
 
