@@ -92,14 +92,13 @@ class Backend(abc.ABC):
     rng_replayable: bool = True
     #: What a list policy holds, for error messages ("OpOverloads", "op names").
     op_list_entries: str = "ops"
-    #: Whether :meth:`run_checkpoint` installs a frame's ``boxes`` (``SessionBoxes``) inside the
-    #: framework's checkpoint hooks, so that a ``RecomputeSession`` can share one recomputation
-    #: between the halves of a split backward. When False, no boxes are made and each half
-    #: recomputes (the framework's behaviour).
+    #: Whether a frame's ``boxes`` (``SessionBoxes``) can be installed inside the framework's
+    #: checkpoint hooks (:meth:`session_hooks`), so that a ``RecomputeSession`` can share one
+    #: recomputation between the halves of a split backward. When False, no boxes are made and
+    #: each half recomputes (the framework's behaviour).
     recompute_sessions: bool = False
     #: Whether sub-modules can be excluded from a region's recomputation
-    #: (``checkpoint_exclude_wrapper``; needs :meth:`recomputed_leaf` and the frames that
-    #: :meth:`run_checkpoint` marks).
+    #: (``checkpoint_exclude_wrapper``; needs :meth:`recomputed_leaf`).
     exclusion_supported: bool = False
     #: Whether the op objects a dispatch mode receives live as long as the process (one object per
     #: op, as PyTorch's ``OpOverload``): a selective region then remembers each op's kind per object.
@@ -289,24 +288,25 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
-                       frame: Any, options: dict) -> Any:
-        """Run ``function`` under the framework's non-reentrant checkpoint. ``frame`` is the
-        call's ``region_state.RegionFrame``. With a ``frame.selective`` region, the forward runs
-        under a dispatch mode that calls ``region.forward_op`` for every op and the recomputation
-        under one that calls ``region.recompute_op``; both enter
-        ``region_state.RegionMarker(recompute, frame)``. Without one, only the markers. Where
-        :attr:`recompute_sessions` is true and ``frame.boxes`` is set, the forward context also
-        pushes saved-tensor hooks *inside* the checkpoint's own that wrap what the checkpoint packs:
-        ``boxes.pack(checkpoint_pack, x)`` / ``boxes.unpack(checkpoint_unpack, box)``.
-        ``options`` are the accepted :attr:`checkpoint_options`."""
+                       context_fn: Callable[[], Tuple[Any, Any]], options: dict) -> Any:
+        """Run ``function(*args, **kwargs)`` under the framework's non-reentrant checkpoint with
+        ``context_fn`` (the ``(forward, recompute)`` context pair the engine builds:
+        ``region_state.region_contexts``). ``options`` are the accepted :attr:`checkpoint_options`."""
         ...
 
     @abc.abstractmethod
-    def dispatch_modes(self, region: Any, frame: Any = None) -> Tuple[Any, Any]:
-        """The ``(forward, recompute)`` pair of the framework's dispatch modes for a
-        ``SelectiveRegion``: they call ``region.forward_op(op, args, kwargs)`` /
-        ``region.recompute_op(op, args, kwargs)`` for every op and enter
-        ``region_state.RegionMarker(recompute, frame)`` while active."""
+    def op_mode(self, handler: Callable[[Op, Tuple[Any, ...], dict], Any], around: ContextManager[Any]) -> Any:
+        """A dispatch mode of the framework that returns ``handler(op, args, kwargs)`` for every
+        op run while it is active, and enters ``around`` (the engine's ``RegionShell``) before it
+        becomes active and leaves it after. A mode object may be entered again once left."""
+        ...
+
+    @abc.abstractmethod
+    def session_hooks(self, boxes: Any) -> ContextManager[Any]:
+        """Saved-tensor hooks pushed *inside* the checkpoint's own (this is called while the
+        checkpoint's forward context is entered) that wrap what the checkpoint packs:
+        ``boxes.pack(checkpoint_pack, x)`` / ``boxes.unpack(checkpoint_unpack, box)``. Only called
+        where :attr:`recompute_sessions` is true (elsewhere: raise)."""
         ...
 
     @abc.abstractmethod

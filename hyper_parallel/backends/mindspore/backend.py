@@ -28,7 +28,6 @@ from mindspore.utils import MsDispatchMode
 from hyper_parallel.core.backend import Backend, OpKind, SavedFacts
 from hyper_parallel.core.keep_reason import KeepReason
 from hyper_parallel.core.policy import CheckpointPolicy
-from hyper_parallel.core.region_state import RegionMarker
 
 from . import _shim
 
@@ -126,27 +125,28 @@ class _MstxRange:
 
 
 # ------------------------------------------------------------------------------------- dispatch modes
-class _RegionMode(MsDispatchMode):
-    """Dispatch mode of one selective region inside ``mindspore.recompute``."""
+class _OpMode(MsDispatchMode):
+    """A dispatch mode (inside ``mindspore.recompute``) that hands every op to ``handler(op,
+    args, kwargs)``, inside ``around`` (the engine's region shell), which it enters first and
+    leaves last; PyNative's front-end pipeline is off while it is active (see
+    ``_shim.disable_pipeline``)."""
 
-    recompute = False
-
-    def __init__(self, region: Any, frame: Any = None) -> None:
+    def __init__(self, handler: Callable[[Any, Tuple[Any, ...], dict], Any], around: Any) -> None:
         super().__init__()
-        self._region = region
-        self._op = region.recompute_op if self.recompute else region.forward_op
-        self._marker = RegionMarker(recompute=self.recompute, frame=frame)
+        self._handler = handler
+        self._around = around
         self._pipeline_prev: List[bool] = []
 
-    def __enter__(self) -> "_RegionMode":
-        if self.recompute:
-            self._region.start_replay()
+    def __enter__(self) -> "_OpMode":
         self._pipeline_prev.append(_shim.disable_pipeline())
-        self._marker.__enter__()
         try:
-            super().__enter__()
+            self._around.__enter__()
+            try:
+                super().__enter__()
+            except BaseException:
+                self._around.__exit__(None, None, None)
+                raise
         except BaseException:
-            self._marker.__exit__(None, None, None)
             _shim.restore_pipeline(self._pipeline_prev.pop())
             raise
         return self
@@ -155,16 +155,14 @@ class _RegionMode(MsDispatchMode):
         try:
             super().__exit__(*exc)
         finally:
-            self._marker.__exit__(*exc)
-            _shim.restore_pipeline(self._pipeline_prev.pop())
+            try:
+                self._around.__exit__(*exc)
+            finally:
+                _shim.restore_pipeline(self._pipeline_prev.pop())
         return False
 
     def __ms_dispatch__(self, func: Any, args: Tuple, kwargs: Optional[Dict] = None) -> Any:
-        return self._op(func, args, kwargs or {})
-
-
-class _RecomputeMode(_RegionMode):
-    recompute = True
+        return self._handler(func, args, kwargs or {})
 
 
 class MindSporeBackend(Backend):
@@ -362,18 +360,21 @@ class MindSporeBackend(Backend):
     def saved_tensors_hooks(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
         return ms.saved_tensors_hooks(pack, unpack)
 
-    def dispatch_modes(self, region: Any, frame: Any = None) -> Tuple[MsDispatchMode, MsDispatchMode]:
-        return _RegionMode(region, frame), _RecomputeMode(region, frame)
-
     def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
-                       frame: Any, options: dict) -> Any:
+                       context_fn: Callable[[], Tuple[Any, Any]], options: dict) -> Any:
         # MindSpore always runs a selective region (it cannot replay the RNG; see rng_replayable).
         # recompute_sessions stays False: each half of a split backward recomputes.
         extra = {}
         if "preserve_rng_state" in options:
             extra["save_rng_state"] = bool(options["preserve_rng_state"])
         return ms.recompute(function, *args, use_reentrant=False, early_stop=bool(options.get("early_stop", False)),
-                            context_fn=lambda: self.dispatch_modes(frame.selective, frame), **extra, **kwargs)
+                            context_fn=context_fn, **extra, **kwargs)
+
+    def op_mode(self, handler: Callable[[Any, Tuple[Any, ...], dict], Any], around: Any) -> MsDispatchMode:
+        return _OpMode(handler, around)
+
+    def session_hooks(self, boxes: Any) -> Any:
+        raise NotImplementedError("MindSpore's recompute cannot host recompute sessions (recompute_sessions is False)")
 
     def recomputed_leaf(self, t: Tensor, requires_grad: bool) -> Tensor:
         raise NotImplementedError("checkpoint_exclude_wrapper is PyTorch only (exclusion_supported is False)")

@@ -21,8 +21,6 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hyper_parallel.core.backend import Backend, OpKind, SavedFacts
 from hyper_parallel.core.keep_reason import KeepReason
 from hyper_parallel.core.policy import CheckpointPolicy, normalize_policy
-from hyper_parallel.core.recompute_session import SessionBoxes
-from hyper_parallel.core.region_state import RegionMarker
 
 from . import _shim
 
@@ -64,103 +62,35 @@ _UNDECLARED_WRITES = {op: ((3, "running_mean"), (4, "running_var")) for op in (
 _MACHINERY = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
 
 
-class _SessionHooks:
-    """Saved-tensor hooks pushed inside a checkpoint's own (the innermost pair when the
-    checkpoint's forward context is entered) that box what the checkpoint packs, so that a
-    ``RecomputeSession`` can share one recomputation between the halves of a split backward.
-    Outside a session a box only forwards to the checkpoint's unpack."""
-
-    __slots__ = ("_boxes", "_hooks")
-
-    def __init__(self, boxes: Any) -> None:
-        self._boxes = boxes
-        self._hooks: List[Any] = []
-
-    def __enter__(self) -> "_SessionHooks":
-        inner = _shim.innermost_saved_tensors_hooks() if self._boxes is not None else None
-        hooks: Any = contextlib.nullcontext()
-        if inner is not None:
-            pack, unpack = inner
-            hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self._boxes.pack, pack),
-                                                             functools.partial(SessionBoxes.unpack, unpack))
-        hooks.__enter__()
-        self._hooks.append(hooks)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.pop().__exit__(*exc)
-
-
-class _RegionMode(TorchDispatchMode):
-    """Dispatch mode of one selective region; marks (on this thread) that the region's forward,
-    or its recomputation, is running; in forward, boxes what the checkpoint saves."""
-
-    recompute = False
+class _OpMode(TorchDispatchMode):
+    """A dispatch mode that hands every op to ``handler(op, args, kwargs)``, inside ``around``
+    (the engine's region shell), which it enters first and leaves last."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, region: Any, frame: Any = None) -> None:
+    def __init__(self, handler: Callable[[Any, Tuple[Any, ...], dict], Any], around: Any) -> None:
         super().__init__()
-        self._op = region.recompute_op if self.recompute else region.forward_op
-        self._marker = RegionMarker(recompute=self.recompute, frame=frame)
-        self._session = _SessionHooks(None if self.recompute or frame is None else frame.boxes)
+        self._handler = handler
+        self._around = around
 
-    def __enter__(self) -> "_RegionMode":
-        self._marker.__enter__()
+    def __enter__(self) -> "_OpMode":
+        self._around.__enter__()
         try:
-            mode = super().__enter__()
-            self._session.__enter__()
+            return super().__enter__()
         except BaseException:
-            self._marker.__exit__(None, None, None)
+            self._around.__exit__(None, None, None)
             raise
-        return mode
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            self._session.__exit__(*exc)
             super().__exit__(*exc)
         finally:
-            self._marker.__exit__(*exc)
+            self._around.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        return self._op(func, args, kwargs or {})
-
-
-class _RecomputeMode(_RegionMode):
-    recompute = True
-
-    def __init__(self, region: Any, frame: Any = None) -> None:
-        super().__init__(region, frame)
-        self._region = region
-
-    def __enter__(self) -> "_RecomputeMode":
-        self._region.start_replay()
-        return super().__enter__()
-
-
-class _WholeRegionForward:
-    """Forward context of a whole-region checkpoint: the region marker and the session boxes."""
-
-    def __init__(self, frame: Any) -> None:
-        self._marker = RegionMarker(recompute=False, frame=frame)
-        self._session = _SessionHooks(frame.boxes if frame is not None else None)
-
-    def __enter__(self) -> "_WholeRegionForward":
-        self._marker.__enter__()
-        try:
-            self._session.__enter__()
-        except BaseException:
-            self._marker.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            self._session.__exit__(*exc)
-        finally:
-            self._marker.__exit__(*exc)
+        return self._handler(func, args, kwargs or {})
 
 
 # What a selective policy's answer means to PyTorch's compiled selective checkpoint. MUST_SWAP
@@ -421,23 +351,23 @@ class TorchBackend(Backend):
     def saved_tensors_hooks(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def dispatch_modes(self, region: Any, frame: Any = None) -> Tuple[TorchDispatchMode, TorchDispatchMode]:
-        return _RegionMode(region, frame), _RecomputeMode(region, frame)
-
     def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
-                       frame: Any, options: dict) -> Any:
-        region = frame.selective if frame is not None else None
-        if region is not None and not region.whole:
-            context_fn: Callable[[], Any] = lambda: self.dispatch_modes(region, frame)  # noqa: E731
-        elif options.get("debug"):
+                       context_fn: Callable[[], Tuple[Any, Any]], options: dict) -> Any:
+        if options.get("debug"):  # (whole-region only: check_checkpoint_options refuses a policy)
             context_fn = torch_ckpt.noop_context_fn  # debug mode insists on the default contexts
-        elif region is not None:
-            # Forward needs no dispatch mode; the recomputation keeps writes off outside state.
-            context_fn = lambda: (_WholeRegionForward(frame), _RecomputeMode(region, frame))  # noqa: E731
-        else:
-            context_fn = lambda: (_WholeRegionForward(frame), RegionMarker(recompute=True, frame=frame))  # noqa: E731
         return torch_ckpt.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn,
                                      **options, **kwargs)
+
+    def op_mode(self, handler: Callable[[Any, Tuple[Any, ...], dict], Any], around: Any) -> TorchDispatchMode:
+        return _OpMode(handler, around)
+
+    def session_hooks(self, boxes: Any) -> Any:
+        inner = _shim.innermost_saved_tensors_hooks()  # the checkpoint's own: this runs inside them
+        if inner is None:
+            return _NO_CONTEXT
+        pack, unpack = inner
+        return torch.autograd.graph.saved_tensors_hooks(functools.partial(boxes.pack, pack),
+                                                        functools.partial(boxes.unpack, unpack))
 
     def compiling(self) -> bool:
         return torch.compiler.is_compiling()
