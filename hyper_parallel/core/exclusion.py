@@ -31,13 +31,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .backend import Backend
 from .packer import SwapPacker, parameter_storages
 from .region_state import RegionFrame, region_flags
+from .replay_log import ReplayLog
 from .saved import Saved
 from .storage import Storage
 from .swap_manager import SwapManager
 
 __all__ = ["ExcludedCalls", "KeepPacker", "excluded_call"]
-
-_CONSUMED = object()
 
 
 class KeepPacker:
@@ -61,35 +60,27 @@ class KeepPacker:
         return self._b.saved_tensors_hooks(self.pack, self.unpack)
 
 
-class ExcludedCalls:
+_NOT_IN_FORWARD = ("checkpoint_exclude_wrapper: {label} (excluded call #{index}) ran while recomputing a region "
+                   "but not in its forward. The region must make the same calls in forward and recompute.")
+_RELEASED = ("checkpoint_exclude_wrapper: backward ran a second time through a region whose excluded sub-module "
+             "outputs ({label}) were released by the first backward. Backward through it only once per forward, "
+             "or run the halves of a split backward in one RecomputeSession.")
+
+
+class ExcludedCalls(ReplayLog):
     """The excluded calls of one region's forward, in order: kept outputs (with whether each
     required grad) and the random-number state after the call (``None`` if it drew nothing)."""
 
-    def __init__(self) -> None:
-        self._calls: List[Any] = []
-        self._next = 0
+    __slots__ = ()
 
     def record(self, kept: Any, rng_after: Any) -> None:
-        self._calls.append((kept, rng_after))
-
-    def start_replay(self) -> None:
-        self._next = 0
+        self.kept.append((kept, rng_after))
 
     def take(self, label: str) -> Tuple[Any, Any]:
         """The record of the next excluded call of this recomputation; released here."""
-        index = self._next
-        self._next += 1
-        if index >= len(self._calls):
-            raise RuntimeError(
-                f"checkpoint_exclude_wrapper: {label} (excluded call #{index}) ran while recomputing a region "
-                "but not in its forward. The region must make the same calls in forward and recompute.")
-        record = self._calls[index]
-        if record is _CONSUMED:
-            raise RuntimeError(
-                "checkpoint_exclude_wrapper: backward ran a second time through a region whose excluded "
-                f"sub-module outputs ({label}) were released by the first backward. Backward through it only "
-                "once per forward, or run the halves of a split backward in one RecomputeSession.")
-        self._calls[index] = _CONSUMED
+        index = self.next(label, _NOT_IN_FORWARD, _RELEASED)
+        record = self.kept[index]
+        self.consume(index)
         return record
 
 

@@ -275,28 +275,31 @@ class SwapManager:
             stream = self._copy_streams[device] = self.backend.new_copy_stream(device)
             return stream
 
-    def _streams(self, copy_stream: Any) -> Callable[[Any], Any]:
-        if copy_stream is not None:
-            return lambda device: copy_stream
-        return self._copy_stream_for
+    @staticmethod
+    def _streams(copy_stream: Any) -> Optional[Callable[[Any], Any]]:
+        """The ``copy_streams`` of a launch given ``copy_stream`` (``None``: the group's default,
+        the manager's copy stream of each device)."""
+        return None if copy_stream is None else lambda device: copy_stream
 
-    # A group forgotten because every storage of it died (see ``_forget_if_empty``) answers
-    # these four calls with nothing to do.
+    def _on_live_group(self, group_name: str, step: Callable[..., Any], *args: Any, wait: bool = False) -> None:
+        """``step(group, *args)`` under the lock; nothing for a group forgotten because every
+        storage of it died (see ``_forget_if_empty``). After a ``wait``, a group whose storages
+        all died is forgotten."""
+        with self._locked:
+            group = self._live_group(group_name)
+            if group is not None:
+                step(group, *args)
+                if wait:
+                    self._forget_if_empty(group_name)
+
     def launch_offload(self, group_name: str, copy_stream: Any = None) -> None:
         """Start copying group ``group_name``'s tensors to host memory on ``copy_stream`` (default:
         the manager's copy stream of each tensor's device). Returns at once on accelerators."""
-        with self._locked:
-            group = self._live_group(group_name)
-            if group is not None:
-                group.launch_offload(self._streams(copy_stream))
+        self._on_live_group(group_name, SwapGroup.launch_offload, self._streams(copy_stream))
 
     def wait_offload(self, group_name: str) -> None:
         """Make compute wait for the group's offload and release its device memory."""
-        with self._locked:
-            group = self._live_group(group_name)
-            if group is not None:
-                group.wait_offload()
-                self._forget_if_empty(group_name)
+        self._on_live_group(group_name, SwapGroup.wait_offload, wait=True)
 
     def launch_load(self, group_name: str, copy_stream: Any = None, *, storages: Any = None,
                     limit_bytes: Optional[int] = None) -> None:
@@ -308,18 +311,11 @@ class SwapManager:
         if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int)
                                         or limit_bytes < 0):
             raise TypeError(f"launch_load: limit_bytes must be an int >= 0 or None, got {limit_bytes!r}")
-        with self._locked:
-            group = self._live_group(group_name)
-            if group is not None:
-                group.launch_load(self._streams(copy_stream), storages, limit_bytes)
+        self._on_live_group(group_name, SwapGroup.launch_load, self._streams(copy_stream), storages, limit_bytes)
 
     def wait_load(self, group_name: str) -> None:
         """Make compute wait for the group's load; its tensors are usable afterwards."""
-        with self._locked:
-            group = self._live_group(group_name)
-            if group is not None:
-                group.wait_load()
-                self._forget_if_empty(group_name)
+        self._on_live_group(group_name, SwapGroup.wait_load, wait=True)
 
     def copies_overlap(self) -> bool:
         """Whether copies run on a copy stream, overlapping compute (an accelerator); on a CPU
