@@ -39,25 +39,18 @@ from .swap_manager import SwapManager
 __all__ = ["ExcludedCalls", "KeepPacker", "excluded_call"]
 
 
-class KeepPacker:
+class KeepPacker(SwapPacker):
     """Saved-tensor hooks that keep every saved tensor on the device, as autograd would without
     any hooks, but through a no-grad alias (a pack result holding the tensor itself would make a
     reference cycle through the graph) with autograd's in-place check."""
 
-    __slots__ = ("_b",)
+    __slots__ = ()
 
     def __init__(self, backend: Backend) -> None:
-        self._b = backend
+        super().__init__(backend, None)
 
     def pack(self, t: Any) -> Saved:
         return Saved(self._b.alias(t), self._b.version)
-
-    @staticmethod
-    def unpack(saved: Saved) -> Any:
-        return saved.get_val()
-
-    def hooks(self) -> Any:
-        return self._b.saved_tensors_hooks(self.pack, self.unpack)
 
 
 _NOT_IN_FORWARD = ("checkpoint_exclude_wrapper: {label} (excluded call #{index}) ran while recomputing a region "

@@ -35,38 +35,24 @@ __all__ = ["LayerChain", "ChainManager"]
 
 
 class ChainManager(Protocol):
-    """What the layer chain uses of its manager (``SwapManager``): its backend and lock, the
-    public schedule calls, and three calls of the package's schedules (the chain holds the lock)."""
+    """What the layer chain uses of its manager (``SwapManager``, where each is documented): its
+    backend and lock, the public schedule calls, and three calls of the package's schedules,
+    ``chain_group`` (a chained layer's group), ``switch_group`` (make a group current, returning
+    the previous name) and ``retry_offload`` (the second try of what a launch skipped as held
+    elsewhere). The chain calls them with the lock held."""
 
     backend: Any
     lock: Any
 
-    def chain_group(self, group_name: str) -> Any:
-        """The ``SwapGroup`` of a chained layer, created if new."""
-
-    def switch_group(self, group_name: Optional[str]) -> Optional[str]:
-        """Make a group current; returns the previous current name."""
-
-    def retry_offload(self, group_name: str) -> None:
-        """Launch the offload of what the group's last launch skipped as held elsewhere."""
-
-    def copies_overlap(self) -> bool:
-        """Whether copies run on a copy stream."""
-
-    def prefetch_budget(self) -> Optional[int]:
-        """The bytes prefetched ahead in backward (``None``: no limit)."""
-
-    def launch_offload(self, group_name: str) -> None:
-        """Launch the group's offload."""
-
-    def wait_offload(self, group_name: str) -> None:
-        """Wait the group's offload."""
-
-    def launch_load(self, group_name: str, *, storages: Any = None, limit_bytes: Optional[int] = None) -> None:
-        """Launch the group's load (of ``storages``, up to ``limit_bytes``)."""
-
-    def wait_load(self, group_name: str) -> None:
-        """Wait the group's load."""
+    def chain_group(self, group_name: str) -> Any: ...
+    def switch_group(self, group_name: Optional[str]) -> Optional[str]: ...
+    def retry_offload(self, group_name: str) -> None: ...
+    def copies_overlap(self) -> bool: ...
+    def prefetch_budget(self) -> Optional[int]: ...
+    def launch_offload(self, group_name: str) -> None: ...
+    def wait_offload(self, group_name: str) -> None: ...
+    def launch_load(self, group_name: str, *, storages: Any = None, limit_bytes: Optional[int] = None) -> None: ...
+    def wait_load(self, group_name: str) -> None: ...
 
 
 class _Forward:

@@ -35,7 +35,7 @@ class SwapPacker:
 
     __slots__ = ("_b", "storage", "policy_fn", "param_ids")
 
-    def __init__(self, backend: Backend, storage: Storage,
+    def __init__(self, backend: Backend, storage: Optional[Storage],
                  policy_fn: Optional[Callable[[Any], Any]] = None, param_ids: Optional[Set[int]] = None) -> None:
         self._b = backend
         self.storage = storage

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Any, List, Optional, Tuple
 
-__all__ = ["region_flags", "RegionFrame", "RegionShell", "region_context", "region_contexts"]
+__all__ = ["region_flags", "RegionFrame", "RegionShell", "AroundMode", "region_context", "region_contexts"]
 
 
 class _Flags(threading.local):
@@ -115,6 +115,35 @@ class RegionShell:
         region_flags.checkpoint_depth -= 1
         region_flags.recompute_depth -= self.recompute
         region_flags.frames.pop()
+
+
+class AroundMode:
+    """Mixin of the dispatch mode a backend makes in ``Backend.op_mode`` (``class
+    _OpMode(AroundMode, FrameworkDispatchMode)``): the contexts of ``self.around`` (the engine's
+    :class:`RegionShell`, and whatever the framework needs while the mode is active) are entered
+    in order before the mode itself becomes active (the next class in the MRO) and left in reverse
+    after it. The backend's class only hands ops on."""
+
+    around: Tuple[Any, ...] = ()
+
+    def __enter__(self) -> Any:
+        entered: List[Any] = []
+        try:
+            for context in self.around:
+                context.__enter__()
+                entered.append(context)
+            return super().__enter__()  # type: ignore[misc]
+        except BaseException:
+            for context in reversed(entered):
+                context.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)  # type: ignore[misc]
+        finally:
+            for context in reversed(self.around):
+                context.__exit__(*exc)
 
 
 def region_context(backend: Any, recompute: bool, frame: Optional[RegionFrame], region: Any) -> Any:

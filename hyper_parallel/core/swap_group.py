@@ -24,6 +24,10 @@ def _by_device(tensors: List[SwapTensor]) -> Dict[Any, List[SwapTensor]]:
     return out
 
 
+#: The counters of a group that add up (``GroupStats.merge``), besides ``kept_bytes``.
+_COUNTERS = ("offloaded_bytes", "loaded_bytes", "wait_offload_s", "wait_load_s", "offload_launches", "load_launches")
+
+
 class GroupStats:
     """Counters of one group (cumulative until ``SwapManager().reset()``).
 
@@ -32,8 +36,7 @@ class GroupStats:
     include the time the device stream stalls for a copy (measure that in a profiler trace: the
     ``hyper_parallel.wait_*`` ranges against the ``Memcpy`` kernels)."""
 
-    __slots__ = ("offloaded_bytes", "loaded_bytes", "kept_bytes", "wait_offload_s", "wait_load_s",
-                 "offload_launches", "load_launches")
+    __slots__ = _COUNTERS + ("kept_bytes",)
 
     def __init__(self) -> None:
         self.offloaded_bytes = 0
@@ -51,22 +54,15 @@ class GroupStats:
 
     def merge(self, other: "GroupStats") -> None:
         """Add ``other``'s counters to these (statistics of retired groups are folded together)."""
-        for name in ("offloaded_bytes", "loaded_bytes", "wait_offload_s", "wait_load_s", "offload_launches",
-                     "load_launches"):
+        for name in _COUNTERS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for reason, nbytes in other.kept_bytes.items():
             self.keep(reason, nbytes)
 
     def as_dict(self) -> Dict[str, Any]:
-        return {
-            "offloaded_bytes": self.offloaded_bytes,
-            "loaded_bytes": self.loaded_bytes,
-            "kept_bytes": dict(self.kept_bytes),
-            "wait_offload_s": self.wait_offload_s,
-            "wait_load_s": self.wait_load_s,
-            "offload_launches": self.offload_launches,
-            "load_launches": self.load_launches,
-        }
+        out: Dict[str, Any] = {name: getattr(self, name) for name in _COUNTERS}
+        out["kept_bytes"] = dict(self.kept_bytes)
+        return out
 
 
 class _InFlight:
@@ -191,7 +187,7 @@ class SwapGroup:
         what is on the host. Used before the manager forgets the group."""
         if self.offload_pending:
             self.wait_offload()
-        if self.has_state(TensorState.HOST) or self.has_state(TensorState.D2H):
+        if self._tensors(TensorState.HOST, TensorState.D2H):
             # The copies go on the compute stream, in its order; its event guards the host buffers.
             self.launch_load(self._b.current_stream)
         if self.load_pending:
@@ -204,9 +200,6 @@ class SwapGroup:
             if s is not None:
                 out.extend(t for t in s.swap_tensors if t.state in states)
         return out
-
-    def has_state(self, state: TensorState) -> bool:
-        return bool(self._tensors(state))
 
     def has_retryable(self) -> bool:
         """Whether the last offload launch skipped tensors that were held elsewhere at the time
@@ -253,18 +246,39 @@ class SwapGroup:
         self._b.wait_event(compute, event)
 
     # ------------------------------------------------------------------ offload
-    def launch_offload(self, copy_streams: Optional[Callable[[Any], Any]] = None) -> None:
-        """``copy_streams(device)``: the copy stream to use for the storages of ``device``
-        (default: the manager's)."""
+    def launch_offload(self, copy_streams: Optional[Callable[[Any], Any]] = None,
+                       runs: Optional[List[List[SwapTensor]]] = None) -> None:
+        """Copy the tensors of ``runs`` (one list per storage; default: the whole group's) that can
+        go to the host, per device on ``copy_streams(device)`` (default: the manager's copy stream)."""
+        if runs is None:
+            runs = self._offload_runs()
+        skipped: List[SwapTensor] = []
+        self._skipped_shared = skipped
         with self._b.trace_range(self._ranges["launch_offload"]):
-            self._launch_offload(copy_streams or self._copy_streams)
+            try:
+                for device, tensors in _by_device([t for run in runs for t in run]).items():
+                    copy_stream = (copy_streams or self._copy_streams)(device)
+                    self._order_d2h_after_producers(copy_stream, device, tensors)
+                    started: List[SwapTensor] = []
+                    try:
+                        with self._b.stream_context(copy_stream):
+                            for run in runs:
+                                ready = [t for t in run if t.device == device and self._cleared(t, skipped)]
+                                self._start_offloads(ready, copy_stream, started)
+                    finally:  # even if a later tensor failed: these copies are queued
+                        self._issued(self._d2h, started, copy_stream, device)
+                        for t in started:
+                            self._offloaded(t)
+            finally:
+                self.stats.offload_launches += 1
+        self._d2h.pending = True
+        self.offload_cancelled = False
 
     def retry_offload(self) -> None:
         """Launch the offload of the tensors the last launch skipped as held elsewhere and that
         are worth one more try (``SwapTensor.retryable``: a layer input, free once the caller
         moved on), each by itself: a second look at only these, not a walk of the whole group."""
-        with self._b.trace_range(self._ranges["launch_offload"]):
-            self._launch_offload(self._copy_streams, runs=[[t] for t in self._skipped_shared if t.retryable])
+        self.launch_offload(runs=[[t] for t in self._skipped_shared if t.retryable])
 
     def offload_dropped(self, storage: Any) -> None:
         """Offload the tensors of ``storage`` that only the swap system still holds (the forward
@@ -274,8 +288,7 @@ class SwapGroup:
         with self._lock:
             dead = storage.dropped() if not (self.retired or self.offload_pending) else None
             if dead:
-                with self._b.trace_range(self._ranges["launch_offload"]):
-                    self._launch_offload(self._copy_streams, runs=[dead])
+                self.launch_offload(runs=[dead])
                 self.wait_offload()
 
     def _cleared(self, t: SwapTensor, skipped: List[SwapTensor]) -> bool:
@@ -316,31 +329,6 @@ class SwapGroup:
                 if run:
                     runs.append(run)
         return runs
-
-    def _launch_offload(self, copy_streams: Callable[[Any], Any], runs: Optional[List[List[SwapTensor]]] = None) -> None:
-        """``runs``: the tensors to consider, one list per storage (default: the whole group's)."""
-        if runs is None:
-            runs = self._offload_runs()
-        skipped: List[SwapTensor] = []
-        self._skipped_shared = skipped
-        try:
-            for device, tensors in _by_device([t for run in runs for t in run]).items():
-                copy_stream = copy_streams(device)
-                self._order_d2h_after_producers(copy_stream, device, tensors)
-                started: List[SwapTensor] = []
-                try:
-                    with self._b.stream_context(copy_stream):
-                        for run in runs:
-                            ready = [t for t in run if t.device == device and self._cleared(t, skipped)]
-                            self._start_offloads(ready, copy_stream, started)
-                finally:  # even if a later tensor failed: these copies are queued
-                    self._issued(self._d2h, started, copy_stream, device)
-                    for t in started:
-                        self._offloaded(t)
-        finally:
-            self.stats.offload_launches += 1
-        self._d2h.pending = True
-        self.offload_cancelled = False
 
     def _issued(self, flight: _InFlight, tensors: List[SwapTensor], copy_stream: Any, device: Any) -> None:
         """The copies of ``tensors`` (on ``device``) were queued on ``copy_stream``: the event

@@ -102,6 +102,13 @@ class SwapManager:
         #: last storage died while the lock was held elsewhere
         self._locked = _Locked(self)
         self._deferred: List[str] = []  # groups whose last storage died while the lock was held
+        self._chain = LayerChain(self)  # cleared, never replaced: it may still receive hook calls
+        self._start()
+
+    def _start(self) -> None:
+        """The state :meth:`reset` forgets: groups, statistics, settings, the host pool."""
+        # The backend is read again at each reset: a test or tool may have switched it
+        # (core.backend.use_backend).
         self.backend: Backend = active_backend()
         # copies_overlap(), asked once (per layer it would cost calls), on first use: asking the
         # backend for a stream starts an accelerator's runtime, which the manager's creation must not
@@ -119,8 +126,7 @@ class SwapManager:
         self._copy_streams: Dict[Any, Any] = {}  # device -> the manager's copy stream there
         self._prefetch_budget: Any = _AUTO
         self._bucket_bytes = 0  # bucketed copies are opt-in (see set_bucket_bytes)
-        self._pool = HostBufferPool(self.backend)
-        self._chain = LayerChain(self)  # cleared, never replaced: it may still receive hook calls
+        self._pool = HostBufferPool(self.backend)  # (a new pool: the host limit goes back to "none" too)
 
     # ------------------------------------------------------------------ groups
     def _group(self, name: str, create: bool = False, persistent: bool = False) -> SwapGroup:
@@ -193,18 +199,18 @@ class SwapManager:
             return
         group.forget_in_flight()
         if not group.persistent and name != self._current_group_name:
-            del self._groups[name]
-            group.retired = True
-            self._retire_stats(name)
+            self._retire(name)
             # Remember the name for a while: a wait or launch on it after its graph died (the
             # graph of a skipped step) has nothing to do, which is not the user's mistake.
             self._retired[name] = None
             while len(self._retired) > _RETIRED_NAMES:
                 self._retired.popitem(last=False)
 
-    def _retire_stats(self, name: str) -> None:
-        """A forgotten group keeps its own statistics entry for a while (the last
-        ``_RETIRED_STATS`` of them); older ones are folded into ``retired_groups``."""
+    def _retire(self, name: str) -> None:
+        """Forget group ``name`` (its tensors load on use no more: ``SwapGroup.retired``). It keeps
+        its own statistics entry for a while (the last ``_RETIRED_STATS`` forgotten groups); older
+        ones are folded into ``retired_groups``."""
+        self._groups.pop(name).retired = True
         self._recent_retired[name] = None
         self._recent_retired.move_to_end(name)
         while len(self._recent_retired) > _RETIRED_STATS:
@@ -244,10 +250,8 @@ class SwapManager:
                     f"discard_group({group_name!r}): the group belongs to the layer chain "
                     "(set_forward_prefetch_layer / wrap_layers), whose hooks keep using it in forward and "
                     "backward. Call SwapManager().reset() to remove the chain and every group.")
-            group = self._groups.pop(group_name, None)
             if group is not None:
-                group.retired = True
-                self._retire_stats(group_name)
+                self._retire(group_name)
                 if group_name == self._current_group_name:
                     self._current_group_name = None
 
@@ -491,17 +495,4 @@ class SwapManager:
             self._chain.clear()
             for group in self._groups.values():
                 group.retired = True
-            self._groups.clear()
-            self._retired.clear()
-            self._stats.clear()
-            self._retired_stats = GroupStats()
-            self._retired_groups = 0
-            self._recent_retired.clear()
-            self._current_group_name = None
-            self._copy_streams = {}
-            self._prefetch_budget = _AUTO
-            # The backend is read again: a test or tool may have switched it (core.backend.use_backend).
-            self.backend = active_backend()
-            self._overlap = None
-            self._pool = HostBufferPool(self.backend)  # the host limit goes back to "none" too
-            self._bucket_bytes = 0
+            self._start()

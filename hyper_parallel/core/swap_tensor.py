@@ -137,6 +137,10 @@ class SwapTensor:
             self.producers.append(stream)
         return len(self._aliases) - 1
 
+    def _out_of_order(self, call: str, advice: str = "") -> RuntimeError:
+        """The error of ``call`` reaching this storage in a state it cannot start from."""
+        return RuntimeError(f"swap group '{self.group.name}': {call} on a tensor in state '{self.state.value}'{advice}.")
+
     def _mutation(self) -> Optional[str]:
         """What is wrong if a saved alias was changed in place since it was saved, else ``None``."""
         if self._aliases is None:
@@ -200,8 +204,7 @@ class SwapTensor:
         """``None`` when this storage can be offloaded now, else why it stays on the device (kept
         for good, except ``SHARED``: see below)."""
         if self.state is not TensorState.DEVICE:
-            raise RuntimeError(f"swap group '{self.group.name}': offload of a tensor in state "
-                               f"'{self.state.value}'; only tensors on the device can be offloaded.")
+            raise self._out_of_order("launch_offload", "; only tensors on the device can be offloaded")
         if self.kept_reason is not None:
             return self.kept_reason
         if self._aliases is None:  # reloaded earlier in this step: a second offload is a new save
@@ -239,9 +242,7 @@ class SwapTensor:
         once; if the source was produced on another stream than ``waiter`` (a side stream), that
         stream is not ordered after the D2H, so the block is protected until the copy is done."""
         if self.state is not TensorState.D2H:
-            raise RuntimeError(
-                f"swap group '{self.group.name}': wait_offload on a tensor in state "
-                f"'{self.state.value}'; call launch_offload first.")
+            raise self._out_of_order("wait_offload", "; call launch_offload first")
         if waiter is not None and any(not (p == waiter) for p in self.producers):
             self._protect(self._src, self._copy_stream)
         self._src = None  # the device storage is freed here unless somebody else holds it
@@ -267,8 +268,7 @@ class SwapTensor:
         bucket, allocated by the first member that asks and found by the others in
         ``bucket_devs`` (the launch's bucket -> device buffer)."""
         if self.state is not TensorState.HOST:
-            raise RuntimeError(
-                f"swap group '{self.group.name}': launch_load on a tensor in state '{self.state.value}'.")
+            raise self._out_of_order("launch_load")
         self._dev_stream = compute
         bucket = self.bucket
         if bucket is None:
@@ -303,9 +303,7 @@ class SwapTensor:
     def wait_load(self, waiter: Any) -> None:
         """The load's event (:meth:`set_copy_event`) has been waited on stream ``waiter``."""
         if self.state is not TensorState.H2D:
-            raise RuntimeError(
-                f"swap group '{self.group.name}': wait_load on a tensor in state "
-                f"'{self.state.value}'; call launch_load first.")
+            raise self._out_of_order("wait_load", "; call launch_load first")
         self._load_event = self._host_guard  # the load's event: the H2D reads the host buffer until then
         self._release_host(self._host_guard)
         self._ready = [waiter] if waiter is not None else []

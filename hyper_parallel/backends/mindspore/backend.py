@@ -28,6 +28,7 @@ from mindspore.utils import MsDispatchMode
 from hyper_parallel.core.backend import Backend, OpKind, SavedFacts
 from hyper_parallel.core.keep_reason import KeepReason
 from hyper_parallel.core.policy import CheckpointPolicy
+from hyper_parallel.core.region_state import AroundMode
 
 from . import _shim
 
@@ -125,41 +126,29 @@ class _MstxRange:
 
 
 # ------------------------------------------------------------------------------------- dispatch modes
-class _OpMode(MsDispatchMode):
+class _PipelineOff:
+    """PyNative's front-end pipeline off inside (see ``_shim.disable_pipeline``), as it was before
+    when it was off already; re-entrant."""
+
+    def __init__(self) -> None:
+        self._was_off: List[bool] = []
+
+    def __enter__(self) -> None:
+        self._was_off.append(_shim.disable_pipeline())
+
+    def __exit__(self, *exc: Any) -> None:
+        _shim.restore_pipeline(self._was_off.pop())
+
+
+class _OpMode(AroundMode, MsDispatchMode):
     """A dispatch mode (inside ``mindspore.recompute``) that hands every op to ``handler(op,
-    args, kwargs)``, inside ``around`` (the engine's region shell), which it enters first and
-    leaves last; PyNative's front-end pipeline is off while it is active (see
-    ``_shim.disable_pipeline``)."""
+    args, kwargs)``, inside ``around`` (the engine's region shell: ``AroundMode``), with PyNative's
+    front-end pipeline off while it is active."""
 
     def __init__(self, handler: Callable[[Any, Tuple[Any, ...], dict], Any], around: Any) -> None:
         super().__init__()
         self._handler = handler
-        self._around = around
-        self._pipeline_prev: List[bool] = []
-
-    def __enter__(self) -> "_OpMode":
-        self._pipeline_prev.append(_shim.disable_pipeline())
-        try:
-            self._around.__enter__()
-            try:
-                super().__enter__()
-            except BaseException:
-                self._around.__exit__(None, None, None)
-                raise
-        except BaseException:
-            _shim.restore_pipeline(self._pipeline_prev.pop())
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        try:
-            super().__exit__(*exc)
-        finally:
-            try:
-                self._around.__exit__(*exc)
-            finally:
-                _shim.restore_pipeline(self._pipeline_prev.pop())
-        return False
+        self.around = (_PipelineOff(), around)
 
     def __ms_dispatch__(self, func: Any, args: Tuple, kwargs: Optional[Dict] = None) -> Any:
         return self._handler(func, args, kwargs or {})

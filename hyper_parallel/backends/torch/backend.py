@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hyper_parallel.core.backend import Backend, OpKind, SavedFacts
 from hyper_parallel.core.keep_reason import KeepReason
 from hyper_parallel.core.policy import CheckpointPolicy, normalize_policy
+from hyper_parallel.core.region_state import AroundMode
 
 from . import _shim
 
@@ -62,9 +63,9 @@ _UNDECLARED_WRITES = {op: ((3, "running_mean"), (4, "running_var")) for op in (
 _MACHINERY = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
 
 
-class _OpMode(TorchDispatchMode):
+class _OpMode(AroundMode, TorchDispatchMode):
     """A dispatch mode that hands every op to ``handler(op, args, kwargs)``, inside ``around``
-    (the engine's region shell), which it enters first and leaves last."""
+    (the engine's region shell: ``AroundMode``)."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -73,21 +74,7 @@ class _OpMode(TorchDispatchMode):
     def __init__(self, handler: Callable[[Any, Tuple[Any, ...], dict], Any], around: Any) -> None:
         super().__init__()
         self._handler = handler
-        self._around = around
-
-    def __enter__(self) -> "_OpMode":
-        self._around.__enter__()
-        try:
-            return super().__enter__()
-        except BaseException:
-            self._around.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            super().__exit__(*exc)
-        finally:
-            self._around.__exit__(*exc)
+        self.around = (around,)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         return self._handler(func, args, kwargs or {})
