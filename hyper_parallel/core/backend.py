@@ -108,13 +108,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def is_tensor(self, x: Any) -> bool:
         """True for a tensor of this framework."""
-        ...
 
     @abc.abstractmethod
     def storage_id(self, t: Tensor) -> int:
         """Identity of the storage ``t`` views; equal for all views of one storage and stable while
         any of them is alive."""
-        ...
 
     @abc.abstractmethod
     def saved_facts(self, t: Tensor, param_keys: Container[int]) -> SavedFacts:
@@ -127,47 +125,39 @@ class Backend(abc.ABC):
         requires grad (a parameter or an input being differentiated, held outside the region);
         else it is a swap candidate. Callable from a saved-tensor hook and from inside a dispatch
         mode (below autograd, where the alias must still share the version counter)."""
-        ...
 
     @abc.abstractmethod
     def storage_other_holders(self, aliases: Sequence[Tensor]) -> int:
         """How many tensors other than ``aliases`` still view their (common) storage; 0 when the
         framework cannot tell (then every candidate is copied, which stays safe)."""
-        ...
 
     @abc.abstractmethod
     def version(self, t: Tensor) -> int:
         """The version counter bumped by every in-place change of ``t``'s data (shared by aliases)."""
-        ...
 
     @abc.abstractmethod
     def alias(self, t: Tensor) -> Tensor:
         """A view of ``t`` with the same layout, no autograd history, sharing ``t``'s version
         counter; callable from inside a dispatch mode and from a saved-tensor hook."""
-        ...
 
     @abc.abstractmethod
     def clone(self, t: Tensor) -> Tensor:
         """A new tensor with ``t``'s values and layout, in its own storage."""
-        ...
 
     @abc.abstractmethod
     def hand_back(self, t: Tensor) -> Tensor:
         """The tensor a recomputation returns for a kept op output ``t`` (``t`` itself where
         autograd allows it; a fresh alias where autograd attaches its node to the object)."""
-        ...
 
     @abc.abstractmethod
     def requires_grad(self, t: Tensor) -> bool:
         """Whether ``t`` requires grad (its gradient is computed in backward)."""
-        ...
 
     # ------------------------------------------------------------------ byte views, allocation, copies
     @abc.abstractmethod
     def rebuild_view(self, flat: Any, meta: ViewMeta) -> Tensor:
         """A tensor with ``meta``'s layout over the storage of ``flat`` (a byte tensor, a saved
         tensor of that storage, or what :meth:`slot_bytes` returned)."""
-        ...
 
     #: Whether :meth:`slot_bytes` can make a storage over part of another (bucketed copies need
     #: it, ``core/swap_bucket.py``; without it every storage is copied by itself).
@@ -179,30 +169,25 @@ class Backend(abc.ABC):
         shares ``buf``'s memory and keeps it alive: views rebuilt over it (:meth:`rebuild_view`)
         keep their original storage offset and storage size. Only called where
         :attr:`supports_slots` is true (elsewhere: raise)."""
-        ...
 
     @abc.abstractmethod
     def empty_device_bytes(self, nbytes: int, like: ViewMeta) -> Tensor:
         """``nbytes`` uninitialised bytes on the device of ``like``, allocated for the current
         (compute) stream."""
-        ...
 
     @abc.abstractmethod
     def empty_host_bytes(self, nbytes: int) -> Tensor:
         """``nbytes`` host bytes, page-locked where the framework offers it (asynchronous copies)."""
-        ...
 
     @abc.abstractmethod
     def host_alloc_size(self, nbytes: int) -> int:
         """Bytes the framework's host allocator really reserves for an :meth:`empty_host_bytes`
         request of ``nbytes`` (what the host pool counts against its cap)."""
-        ...
 
     @abc.abstractmethod
     def empty_host_cache(self) -> None:
         """Return the host memory the framework's host allocator caches (blocks no tensor uses)
         to the operating system (nothing where it caches none)."""
-        ...
 
     @abc.abstractmethod
     def copy_bytes(self, dst: Tensor, src: Tensor, dst_offset: int = 0) -> None:
@@ -210,81 +195,67 @@ class Backend(abc.ABC):
         byte ``dst_offset`` there (``src`` is a saved tensor or a byte tensor; ``dst`` a byte
         tensor with room for them: the same byte count, or a bucket's buffer) on the current
         stream, asynchronously where possible; invisible to autograd and to user dispatch modes."""
-        ...
 
     @abc.abstractmethod
     def mark_used_by(self, t: Tensor, stream: Stream) -> None:
         """Tell the allocator that ``stream`` uses ``t``: its memory must not be reused before the
         work queued on ``stream`` so far has finished (no-op without streams)."""
-        ...
 
     # ------------------------------------------------------------------ streams and events
     @abc.abstractmethod
     def current_stream(self, device: Hashable = None) -> Stream:
         """The stream compute runs on now on ``device`` (a :attr:`SavedFacts.device`; ``None``: the
         current device); ``None`` without streams."""
-        ...
 
     @abc.abstractmethod
     def new_copy_stream(self, device: Hashable = None) -> Stream:
         """A new stream for copies on ``device`` (a :attr:`SavedFacts.device`; ``None``: the
         current device); ``None`` without streams."""
-        ...
 
     @abc.abstractmethod
     def stream_context(self, stream: Stream) -> ContextManager[Any]:
         """Make ``stream`` current (on its device) inside the ``with`` block."""
-        ...
 
     @abc.abstractmethod
     def record_event(self, stream: Stream) -> Event:
         """An event marking the work queued on ``stream`` so far (``None`` without streams)."""
-        ...
 
     @abc.abstractmethod
     def wait_event(self, stream: Stream, event: Event) -> None:
         """Work queued on ``stream`` from now on starts after ``event`` (no-op if either is None)."""
-        ...
 
     @abc.abstractmethod
     def trace_range(self, name: str) -> ContextManager[Any]:
         """A named range in the framework's profiler trace; costs nothing unless a profiler records."""
-        ...
 
     # ------------------------------------------------------------------ random numbers
     @abc.abstractmethod
     def rng_state(self, args: Sequence[Any]) -> Any:
         """A snapshot of the generators an op on ``args`` may draw from."""
-        ...
 
     @abc.abstractmethod
     def rng_equal(self, a: Any, b: Any) -> bool:
         """Whether two :meth:`rng_state` snapshots are equal (the op drew nothing)."""
-        ...
 
     @abc.abstractmethod
     def set_rng_state(self, state: Any) -> None:
         """Restore a :meth:`rng_state` snapshot."""
-        ...
 
     # ------------------------------------------------------------------ autograd
     @abc.abstractmethod
     def grad_recording(self) -> bool:
         """Whether ops run now are recorded for a backward (only then is anything saved)."""
-        ...
 
     @abc.abstractmethod
     def in_backward(self) -> bool:
         """Whether the autograd engine runs a backward on this thread (a forward hook that fires
         then belongs to a recomputation)."""
-        ...
 
     @abc.abstractmethod
     def saved_tensors_hooks(self, pack: Callable[[Tensor], Any],
                             unpack: Callable[[Any], Tensor]) -> ContextManager[Any]:
         """Autograd's saved-tensor hooks: ``pack`` on every tensor saved inside, ``unpack`` when
         backward needs it."""
-        ...
 
     @abc.abstractmethod
     def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
@@ -292,14 +263,12 @@ class Backend(abc.ABC):
         """Run ``function(*args, **kwargs)`` under the framework's non-reentrant checkpoint with
         ``context_fn`` (the ``(forward, recompute)`` context pair the engine builds:
         ``region_state.region_contexts``). ``options`` are the accepted :attr:`checkpoint_options`."""
-        ...
 
     @abc.abstractmethod
     def op_mode(self, handler: Callable[[Op, Tuple[Any, ...], dict], Any], around: ContextManager[Any]) -> Any:
         """A dispatch mode of the framework that returns ``handler(op, args, kwargs)`` for every
         op run while it is active, and enters ``around`` (the engine's ``RegionShell``) before it
         becomes active and leaves it after. A mode object may be entered again once left."""
-        ...
 
     @abc.abstractmethod
     def session_hooks(self, boxes: Any) -> ContextManager[Any]:
@@ -307,7 +276,6 @@ class Backend(abc.ABC):
         checkpoint's forward context is entered) that wrap what the checkpoint packs:
         ``boxes.pack(checkpoint_pack, x)`` / ``boxes.unpack(checkpoint_unpack, box)``. Only called
         where :attr:`recompute_sessions` is true (elsewhere: raise)."""
-        ...
 
     @abc.abstractmethod
     def recomputed_leaf(self, t: Tensor, requires_grad: bool) -> Tensor:
@@ -316,17 +284,14 @@ class Backend(abc.ABC):
         excluded from it (``checkpoint_exclude_wrapper``), so that the ops after it save what they
         saved in forward. Only called where :attr:`exclusion_supported` is true (elsewhere: raise
         a clear error)."""
-        ...
 
     @abc.abstractmethod
     def compiling(self) -> bool:
         """Whether the framework's compiler is tracing the code that runs now."""
-        ...
 
     @abc.abstractmethod
     def run_eagerly(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call ``fn`` outside any compiled graph (a graph break around it while tracing)."""
-        ...
 
     @abc.abstractmethod
     def run_compiled_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
@@ -334,98 +299,81 @@ class Backend(abc.ABC):
         """Run ``function`` under the framework's own checkpoint while its compiler traces it:
         whole-region recompute without ``policy_fn``, else the framework's compiled selective
         checkpoint driven by ``policy_fn`` (our answers translated)."""
-        ...
 
     @abc.abstractmethod
     def check_checkpoint_options(self, options: dict, selective: bool) -> None:
         """Raise a clear error for an option combination the framework's checkpoint refuses."""
-        ...
 
     @abc.abstractmethod
     def check_ready(self, what: str) -> None:
         """Raise a clear error if the framework is in a mode the library cannot run in."""
-        ...
 
     # ------------------------------------------------------------------ ops and policies
     @abc.abstractmethod
     def op_kind(self, op: Op) -> OpKind:
         """How a selective region must treat ``op`` before asking any policy (cached by the caller)."""
-        ...
 
     @abc.abstractmethod
     def cannot_hand_back(self, op: Op, args: Tuple[Any, ...]) -> bool:
         """Whether a recomputation cannot return a kept output of this op call instead of running
         it (the framework's autograd would block or attach to the wrong tensor): such a call is
         recomputed whatever the policy answered, and the answer is reported."""
-        ...
 
     @abc.abstractmethod
     def op_key(self, op: Op) -> Hashable:
         """What identifies ``op`` across forward and recompute (and in a list policy)."""
-        ...
 
     @abc.abstractmethod
     def written_tensors(self, op: Op, args: Tuple[Any, ...], kwargs: dict) -> List[Tensor]:
         """The tensor arguments ``op`` writes to, declared or not (empty for ops that write nothing)."""
-        ...
 
     @abc.abstractmethod
     def op_list_entry(self, entry: Any) -> Hashable:
         """The :meth:`op_key` named by one entry of a list policy; a clear error for a bad entry."""
-        ...
 
     @abc.abstractmethod
     def convert_policy(self, value: Any) -> Any:
         """The ``CheckpointPolicy`` meant by a framework-specific policy answer (PyTorch's own
         enum), or ``None``."""
-        ...
 
     @abc.abstractmethod
     def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
         """``fn`` applied to every leaf of a nested tuple/list/dict structure."""
-        ...
 
     @abc.abstractmethod
     def tree_leaves(self, tree: Any) -> List[Any]:
         """The leaves of a nested tuple/list/dict structure."""
-        ...
 
     # ------------------------------------------------------------------ modules and hooks
     @abc.abstractmethod
     def is_module(self, x: Any) -> bool:
         """True for an ``nn.Module`` / ``nn.Cell``."""
-        ...
 
     @abc.abstractmethod
     def module_storage_ids(self, module: Module) -> Set[int]:
         """:meth:`storage_id` of every parameter and buffer of ``module`` and its sub-modules (read
         on every call of a swap region: they are never swap candidates)."""
-        ...
 
     @abc.abstractmethod
     def has_buffers(self, module: Module) -> bool:
         """Whether ``module`` or a sub-module holds state that ops may update in place (buffers,
         e.g. BatchNorm's running statistics)."""
-        ...
 
     @abc.abstractmethod
     def check_region_owner(self, module: Module, selective: bool) -> None:
         """Raise a clear error if a region that intercepts ops or saved tensors cannot act inside
         ``module`` (a compiled module; with ``selective``, sharded units whose hooks differ
         between forward and recompute)."""
-        ...
 
     @abc.abstractmethod
     def register_forward_hooks(self, module: Module, pre: Callable[[Module, Any], None],
                                post: Callable[[Module, Any, Any], None]) -> List[Any]:
         """Call ``pre(module, args)`` before and ``post(module, args, output)`` after every call of
         ``module`` (``post`` also when the call raised); returns removable handles."""
-        ...
 
     @abc.abstractmethod
     def register_grad_hook(self, t: Tensor, fn: Callable[[Any], None]) -> None:
         """Call ``fn(grad)`` when the gradient of ``t`` is computed in backward."""
-        ...
 
 
 

@@ -26,7 +26,8 @@ inside a checkpoint region nested in an excluded module, it is excluded from tha
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .backend import Backend
 from .packer import SwapPacker, parameter_storages
@@ -77,6 +78,22 @@ class ExcludedCalls(ReplayLog):
         return record
 
 
+@contextlib.contextmanager
+def _beside_the_region(frame: RegionFrame, excluding: bool) -> Iterator[None]:
+    """The region's selective policy stands aside inside (its ops are neither asked about nor
+    logged: ``suspended``); ``excluding``: an excluded sub-module's forward is what runs."""
+    selective = frame.selective
+    frame.excluding += excluding
+    if selective is not None:
+        selective.suspended += 1
+    try:
+        yield
+    finally:
+        frame.excluding -= excluding
+        if selective is not None:
+            selective.suspended -= 1
+
+
 def _tensor_versions(b: Backend, tree: Any) -> List[Tuple[Any, int]]:
     return [(t, b.version(t)) for t in b.tree_leaves(tree) if b.is_tensor(t)]
 
@@ -101,17 +118,8 @@ def _record(b: Backend, frame: RegionFrame, function: Callable[..., Any], args: 
     storage: Optional[Storage] = SwapManager().new_storage() if swap else None
     param_ids = parameter_storages(b, owner) if storage is not None else set()
     packer: Any = SwapPacker(b, storage, None, param_ids) if storage is not None else KeepPacker(b)
-    selective = frame.selective
-    frame.excluding += 1
-    if selective is not None:
-        selective.suspended += 1
-    try:
-        with packer.hooks():
-            out = function(*args, **kwargs)
-    finally:
-        frame.excluding -= 1
-        if selective is not None:
-            selective.suspended -= 1
+    with _beside_the_region(frame, excluding=True), packer.hooks():
+        out = function(*args, **kwargs)
     for t, version in inputs:
         if b.version(t) != version:
             raise RuntimeError(
@@ -156,14 +164,8 @@ def _replay(b: Backend, frame: RegionFrame, label: str) -> Any:
             return b.recomputed_leaf(b.hand_back(x.handle.get_val()), x.requires_grad)
         return x
 
-    selective = frame.selective
-    if selective is not None:
-        selective.suspended += 1  # rebuilding a reloaded view runs ops: not the region's
-    try:
+    with _beside_the_region(frame, excluding=False):  # rebuilding a reloaded view runs ops: not the region's
         value = b.tree_map(give, kept)
-    finally:
-        if selective is not None:
-            selective.suspended -= 1
     if rng_after is not None:
         b.set_rng_state(rng_after)
     return value

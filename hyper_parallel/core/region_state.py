@@ -23,7 +23,6 @@ __all__ = ["region_flags", "RegionFrame", "RegionShell", "AroundMode", "region_c
 class _Flags(threading.local):
     def __init__(self) -> None:
         self.checkpoint_depth = 0  # inside a hyper_parallel checkpoint region (forward or recompute)
-        self.recompute_depth = 0   # inside the recomputation of one
         # (frame, recompute) of the running regions, innermost last; frame is None for regions
         # without one (the framework's own checkpoint driven by our selective contexts).
         self.frames: List[Tuple[Optional["RegionFrame"], bool]] = []
@@ -90,7 +89,6 @@ class RegionShell:
             if frame is not None:
                 frame.start_replay()
         region_flags.checkpoint_depth += 1
-        region_flags.recompute_depth += self.recompute
         region_flags.frames.append((frame, self.recompute))
         boxes = frame.boxes if frame is not None and not self.recompute else None
         try:
@@ -113,7 +111,6 @@ class RegionShell:
 
     def _unmark(self) -> None:
         region_flags.checkpoint_depth -= 1
-        region_flags.recompute_depth -= self.recompute
         region_flags.frames.pop()
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from collections import defaultdict
@@ -104,12 +103,12 @@ class SwapGroup:
     """
 
     def __init__(self, name: str, backend: Backend, stats: GroupStats, pool: Any,
-                 copy_streams: Callable[[Any], Any], persistent: bool = False, lock: Any = None) -> None:
+                 copy_streams: Callable[[Any], Any], lock: Any, persistent: bool = False) -> None:
         self.name = name
         #: ``copy_streams(device)``: the manager's copy stream of a device, what launches use by default
         self._copy_streams = copy_streams
         #: the manager's lock (re-entrant): :meth:`load_now` runs from autograd, outside the manager
-        self._lock = lock if lock is not None else threading.RLock()
+        self._lock = lock
         #: set once the manager has forgotten this group (its tensors are not loaded on use any more)
         self.retired = False
         self._b = backend
@@ -292,24 +291,18 @@ class SwapGroup:
                 self.wait_offload()
 
     def _cleared(self, t: SwapTensor, skipped: List[SwapTensor]) -> bool:
-        """Whether ``t`` can be offloaded now (``SwapTensor.offload_reason``); if not, see
-        :meth:`_not_offloaded`."""
+        """Whether ``t`` can be offloaded now (``SwapTensor.offload_reason``). If not, the bytes it
+        keeps on the device are counted (a storage skipped as held elsewhere once, however often
+        it is skipped again) and, held elsewhere, it joins ``skipped``."""
         skipped_before = t.shared_skips
         reason = t.offload_reason()
         if reason is None:
             return True
-        self._not_offloaded(t, reason, skipped_before, skipped)
-        return False
-
-    def _not_offloaded(self, t: SwapTensor, reason: KeepReason, skipped_before: int,
-                       skipped: List[SwapTensor]) -> None:
-        """``t`` stays on the device for ``reason``: count the bytes it keeps there (a storage
-        skipped as held elsewhere once, however often it is skipped again: ``skipped_before``,
-        its skips before this launch) and add it to ``skipped`` when it is held elsewhere."""
         if reason is KeepReason.SHARED:
             skipped.append(t)
         if reason is not KeepReason.SHARED or not skipped_before:  # count each storage once
             self.stats.keep(reason, t.nbytes)
+        return False
 
     def _offloaded(self, t: SwapTensor) -> None:
         """The offload copy of ``t`` was issued: its statistics."""

@@ -140,7 +140,7 @@ class SwapManager:
             self._recent_retired.pop(name, None)
             stats = self._stats.setdefault(name, GroupStats())
             group = self._groups[name] = SwapGroup(name, self.backend, stats, self._pool, self._copy_stream_for,
-                                                    persistent, self.lock)
+                                                    self.lock, persistent)
             group.bucket_bytes = self._bucket_bytes
         elif persistent:
             group.persistent = True
