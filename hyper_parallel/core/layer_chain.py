@@ -80,10 +80,11 @@ class _Forward:
 
 
 class _Link:
-    __slots__ = ("name", "prev", "next", "saved_group_names", "handles", "hooks", "forwards", "last_forward")
+    __slots__ = ("name", "group", "prev", "next", "saved_group_names", "handles", "hooks", "forwards", "last_forward")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, group: Any) -> None:
         self.name = name
+        self.group = group  # its SwapGroup: a chain's group lives as long as the chain
         self.prev: Optional[weakref.ref] = None
         self.next: Optional[weakref.ref] = None
         self.saved_group_names: List[Optional[str]] = []
@@ -191,9 +192,9 @@ class LayerChain:
 
     def _new_link(self, layer: Any) -> _Link:
         """A link (and its group) for ``layer``, not chained to any other yet."""
-        link = self._links[layer] = _Link(f"layer_{self._count}")
+        name = f"layer_{self._count}"
         self._count += 1
-        self._m.chain_group(link.name)
+        link = self._links[layer] = _Link(name, self._m.chain_group(name))
         return link
 
     def _link_of(self, layer: Any) -> _Link:
@@ -301,7 +302,7 @@ class LayerChain:
         # the host as the layer runs (looked for once per storage.EARLY_OFFLOAD_CHUNK saved bytes,
         # so that layers of small tensors pay nothing), which bounds the forward like save_on_cpu.
         at_once = self.follows_memory()
-        self._m.chain_group(link.name).follows_memory = at_once
+        link.group.follows_memory = at_once
         prev = self._alive(link.prev)
         fed_by = self._links[prev].last_forward if prev is not None and prev in self._links else None
         record = _Forward(fed_by, at_once)
@@ -332,7 +333,7 @@ class LayerChain:
         prev = link.prev() if link.prev is not None else None
         if prev is not None:
             prev_link = self._links[prev]
-            prev_group = self._m.chain_group(prev_link.name)
+            prev_group = prev_link.group
             if prev_group.offload_pending:
                 self._m.wait_offload(prev_group.name)
             # When the predecessor's offload was launched, the caller still held its input (the
@@ -346,7 +347,7 @@ class LayerChain:
                     self._m.wait_offload(prev_group.name)
             before = prev_link.prev() if prev_link.prev is not None else None
             if before is not None:
-                before_group = self._m.chain_group(self._links[before].name)
+                before_group = self._links[before].group
                 if before_group.offload_pending:
                     self._m.wait_offload(before_group.name)
         return True
@@ -359,7 +360,7 @@ class LayerChain:
         link = self._links.get(layer)
         if link is None:  # the chain was reset while a graph was alive
             return
-        own = self._m.chain_group(link.name)
+        own = link.group
         if not own.follows_memory:  # (else each tensor is loaded when backward uses it)
             mine = forward.live() if forward is not None else None
             if own.pending_load_bytes(mine):
@@ -367,10 +368,10 @@ class LayerChain:
         prev = self._alive(link.prev)
         fed_by = forward.prev() if forward is not None and forward.prev is not None else None
         if prev is not None and (forward is None or fed_by is not None):
-            prev_name = self._links[prev].name
+            prev_group = self._links[prev].group
             budget = self._m.prefetch_budget()
             theirs = fed_by.live() if fed_by is not None and budget != 0 else None
-            if budget != 0 and self._m.chain_group(prev_name).pending_load_bytes(theirs):
-                self._m.launch_load(prev_name, storages=theirs, limit_bytes=budget)
+            if budget != 0 and prev_group.pending_load_bytes(theirs):
+                self._m.launch_load(prev_group.name, storages=theirs, limit_bytes=budget)
         if own.load_pending:
             self._m.wait_load(link.name)

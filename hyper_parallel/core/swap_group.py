@@ -111,7 +111,8 @@ class SwapGroup:
         self._lock = lock
         #: set once the manager has forgotten this group (its tensors are not loaded on use any more)
         self.retired = False
-        self._b = backend
+        #: the backend the group's storages and tensors use
+        self.backend = backend
         self.stats = stats
         #: the host buffer pool (a bucket's buffer is taken here, a solo storage's by its SwapTensor)
         self.pool = pool
@@ -137,11 +138,6 @@ class SwapGroup:
         #: its storages offload what the forward dropped as it runs (``Storage.add``) and its
         #: tensors load when autograd uses them (``SwapTensor.get_val`` -> :meth:`load_now`).
         self.follows_memory = False
-
-    @property
-    def backend(self) -> Backend:
-        """The backend the group's storages and tensors use."""
-        return self._b
 
     @property
     def offload_pending(self) -> bool:
@@ -188,7 +184,7 @@ class SwapGroup:
             self.wait_offload()
         if self._tensors(TensorState.HOST, TensorState.D2H):
             # The copies go on the compute stream, in its order; its event guards the host buffers.
-            self.launch_load(self._b.current_stream)
+            self.launch_load(self.backend.current_stream)
         if self.load_pending:
             self.wait_load()
 
@@ -220,7 +216,7 @@ class SwapGroup:
     def _order_d2h_after_producers(self, copy_stream: Any, device: Any, tensors: List[SwapTensor]) -> None:
         """The copy stream must not read a tensor before compute has finished writing it: it waits
         the current stream and every other stream the tensors were produced on."""
-        p = self._b
+        p = self.backend
         streams = [p.current_stream(device)]
         for t in tensors:
             for s in t.producers:
@@ -232,17 +228,17 @@ class SwapGroup:
     def _order_release_after_d2h(self, compute: Any, event: Any) -> None:
         """Compute (the current stream of the sources' device) waits the D2H before the sources
         are released (their blocks go back to the compute stream's pool at once)."""
-        self._b.wait_event(compute, event)
+        self.backend.wait_event(compute, event)
 
     def _order_h2d_after_allocation(self, copy_stream: Any, compute: Any) -> None:
         """The allocator may hand the destinations memory that pending compute work still uses:
         the copy stream waits compute (the stream that allocated them) after the allocations."""
-        self._b.wait_event(copy_stream, self._b.record_event(compute))
+        self.backend.wait_event(copy_stream, self.backend.record_event(compute))
 
     def _order_use_after_h2d(self, compute: Any, event: Any) -> None:
         """Compute (the current stream of the destinations' device) waits the H2D before it uses
         the reloaded tensors."""
-        self._b.wait_event(compute, event)
+        self.backend.wait_event(compute, event)
 
     # ------------------------------------------------------------------ offload
     def launch_offload(self, copy_streams: Optional[Callable[[Any], Any]] = None,
@@ -253,14 +249,14 @@ class SwapGroup:
             runs = self._offload_runs()
         skipped: List[SwapTensor] = []
         self._skipped_shared = skipped
-        with self._b.trace_range(self._ranges["launch_offload"]):
+        with self.backend.trace_range(self._ranges["launch_offload"]):
             try:
                 for device, tensors in _by_device([t for run in runs for t in run]).items():
                     copy_stream = (copy_streams or self._copy_streams)(device)
                     self._order_d2h_after_producers(copy_stream, device, tensors)
                     started: List[SwapTensor] = []
                     try:
-                        with self._b.stream_context(copy_stream):
+                        with self.backend.stream_context(copy_stream):
                             for run in runs:
                                 ready = [t for t in run if t.device == device and self._cleared(t, skipped)]
                                 self._start_offloads(ready, copy_stream, started)
@@ -328,7 +324,7 @@ class SwapGroup:
         recorded after them guards their host buffers (``SwapTensor.set_copy_event``), and the
         wait of ``flight`` waits it."""
         if tensors:
-            event = self._b.record_event(copy_stream)
+            event = self.backend.record_event(copy_stream)
             for t in tensors:
                 t.set_copy_event(event)
             flight.tensors.extend(tensors)
@@ -355,7 +351,7 @@ class SwapGroup:
                     issued += 1
             finally:
                 for _ in range(len(members) - issued):
-                    bucket.release(self._b.record_event(copy_stream))
+                    bucket.release(self.backend.record_event(copy_stream))
         for t in solos:
             host = self.pool.acquire(t.nbytes, copy_stream)
             if host is None:
@@ -366,18 +362,18 @@ class SwapGroup:
             except BaseException:
                 # Nothing of ours is in flight; guard the buffer with the copy stream anyway, in
                 # case the framework queued part of the copy before failing.
-                self.pool.release(host, t.nbytes, self._b.record_event(copy_stream))
+                self.pool.release(host, t.nbytes, self.backend.record_event(copy_stream))
                 raise
             started.append(t)
 
     def wait_offload(self) -> None:
-        if not self.offload_pending and self.offload_cancelled:
+        if not self._d2h.pending and self.offload_cancelled:
             raise RuntimeError(
                 f"wait_offload('{self.name}'): the offload of group '{self.name}' was cancelled by "
                 f"launch_load('{self.name}') before it was waited (its tensors never left the device), so "
                 "there is nothing to wait for. Call wait_offload before launch_load, or drop the "
                 "wait_offload when a group is loaded back right away.")
-        if not self.offload_pending:
+        if not self._d2h.pending:
             raise RuntimeError(
                 f"wait_offload('{self.name}') called but no offload of group '{self.name}' is in flight; "
                 f"call SwapManager().launch_offload('{self.name}') first.")
@@ -390,11 +386,11 @@ class SwapGroup:
         (``order``, an ordering point), then each tensor still in ``state`` (not cancelled since)
         is told that stream waited (``arrived(tensor, waiter)``). Returns the host seconds spent."""
         t0 = time.perf_counter()
-        with self._b.trace_range(self._ranges[kind]):
+        with self.backend.trace_range(self._ranges[kind]):
             waiters: Dict[Any, Any] = {}  # device -> its current stream (every tensor's device has an event)
             for device, event in flight.events:
                 if device not in waiters:
-                    waiters[device] = self._b.current_stream(device)
+                    waiters[device] = self.backend.current_stream(device)
                 order(waiters[device], event)
             for t in flight.tensors:
                 if t.state is state:
@@ -412,7 +408,7 @@ class SwapGroup:
         the layer wait for their backward); default all. ``limit_bytes``: load at most this many
         bytes, the tensors backward needs first (the reverse of the order they were saved in);
         the rest stay on the host for a later load. Returns the bytes whose copies were issued."""
-        with self._b.trace_range(self._ranges["launch_load"]):
+        with self.backend.trace_range(self._ranges["launch_load"]):
             wanted = self._in_backward_order(storages, TensorState.HOST, TensorState.D2H)
             if limit_bytes is not None:
                 wanted = self._first_bytes(wanted, limit_bytes)
@@ -435,15 +431,16 @@ class SwapGroup:
 
     def load_now(self, t: SwapTensor) -> None:
         """Load the offloaded tensor ``t`` now (with the siblings of its bucket, which share its
-        copy) and wait: the layer chain's load on use where copies are synchronous (this method is
-        what a tensor of a group that ``follows_memory`` asks), called when autograd unpacks ``t``. The transitions of ``launch_load`` + ``wait_load`` for these tensors only,
-        under the manager's lock; nothing once the manager has forgotten this group (``retired``:
-        the tensor then says which group to load)."""
+        copy) and wait: what a tensor of a group that ``follows_memory`` asks when autograd unpacks
+        it (the layer chain's load on use where copies are synchronous). The transitions of
+        ``launch_load`` + ``wait_load`` for these tensors only, under the manager's lock; nothing
+        once the manager has forgotten this group (``retired``: the tensor then says which group
+        to load)."""
         with self._lock:
             if self.retired or t.state is not TensorState.HOST:
                 return
             flight = self._on_use
-            with self._b.trace_range(self._ranges["launch_load"]):
+            with self.backend.trace_range(self._ranges["launch_load"]):
                 try:
                     self._load([t], self._copy_streams, flight)
                 finally:
@@ -506,7 +503,7 @@ class SwapGroup:
         issued_bytes = 0
         for device, on_device in self._with_siblings(tensors).items():
             copy_stream = copy_streams(device)
-            compute = self._b.current_stream(device)
+            compute = self.backend.current_stream(device)
             bucket_devs: Dict[Any, Any] = {}
             allocated: List[SwapTensor] = []
             try:
@@ -514,7 +511,7 @@ class SwapGroup:
                     t.allocate(compute, bucket_devs)
                     allocated.append(t)
                 self._order_h2d_after_allocation(copy_stream, compute)
-                with self._b.stream_context(copy_stream):
+                with self.backend.stream_context(copy_stream):
                     for t in allocated:  # a bucket's first member copies the whole bucket's buffer
                         t.copy_in(copy_stream, issue=t.bucket is None or bucket_devs.pop(t.bucket, None) is not None)
             finally:  # even if a later allocation or copy failed: these copies are queued
@@ -529,7 +526,7 @@ class SwapGroup:
         return issued_bytes
 
     def wait_load(self) -> None:
-        if not self.load_pending:
+        if not self._h2d.pending:
             raise RuntimeError(
                 f"wait_load('{self.name}') called but no load of group '{self.name}' is in flight; "
                 f"call SwapManager().launch_load('{self.name}') first.")

@@ -139,7 +139,8 @@ class SwapTensor:
 
     def _out_of_order(self, call: str, advice: str = "") -> RuntimeError:
         """The error of ``call`` reaching this storage in a state it cannot start from."""
-        return RuntimeError(f"swap group '{self.group.name}': {call} on a tensor in state '{self.state.value}'{advice}.")
+        return RuntimeError(f"swap group '{self.group.name}': {call} on a tensor in state "
+                            f"'{self.state.value}'{advice}.")
 
     def _mutation(self) -> Optional[str]:
         """What is wrong if a saved alias was changed in place since it was saved, else ``None``."""

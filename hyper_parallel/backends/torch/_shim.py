@@ -10,9 +10,9 @@ import torch
 from typing import Any, List, Sequence, Set, Tuple
 
 __all__ = ["storage_key", "storage_keys", "version", "storage_use_count", "in_backward", "detach_keeping_version",
-           "pipeline_stages", "drop_pipeline_losses", "trace_range", "fsdp_module_class", "innermost_saved_tensors_hooks",
-           "functional_collective", "is_compiled_module",
-           "pinned_alloc_size", "empty_host_cache", "saved_identity"]
+           "pipeline_stages", "drop_pipeline_losses", "trace_range", "fsdp_module_class",
+           "innermost_saved_tensors_hooks", "functional_collective", "is_compiled_module", "pinned_alloc_size",
+           "empty_host_cache", "saved_identity"]
 
 # Namespaces of PyTorch's functional collectives (and their waits): ops that communicate.
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
