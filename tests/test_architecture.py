@@ -73,3 +73,28 @@ def test_architecture_doc_lists_every_backend_primitive():
     doc = open(os.path.join(os.path.dirname(PACKAGE), "docs", "architecture.md")).read()
     missing = sorted(name for name in Backend.__abstractmethods__ if f"`{name}`" not in doc)
     assert not missing, f"docs/architecture.md does not list the backend primitives {missing}"
+
+
+# Modules that cost import time (seconds together) and that only a program using them needs:
+# nothing can be FSDP-sharded, compiled or pipelined before the user imported the module that does it.
+HEAVY_MODULES = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.pipelining",
+                 "torch._dynamo", "sympy")
+
+
+def test_importing_the_library_imports_nothing_heavy_the_program_did_not():
+    code = ("import sys, torch\nbefore = {m for m in %r if m in sys.modules}\n"
+            "import hyper_parallel.core.activation_checkpoint\n"
+            "print(sorted(m for m in %r if m in sys.modules and m not in before))") % (HEAVY_MODULES, HEAVY_MODULES)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_module_of_fsdp_imported_later_is_still_recognised():
+    """The FSDP check looks the class up when it runs: a program that imports FSDP after the
+    library still gets the clear error for a selective region around sharded units."""
+    code = ("import sys, torch\nfrom hyper_parallel.backends.torch import _shim\n"
+            "assert _shim.fsdp_module_class() is None\n"
+            "from torch.distributed.fsdp import FSDPModule\n"
+            "print(_shim.fsdp_module_class() is FSDPModule)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True", out.stdout + out.stderr

@@ -10,7 +10,8 @@ from torch import nn
 from hyper_parallel.core.activation_checkpoint import (
     CheckpointPolicy, SwapManager, checkpoint_wrapper, swap_wrapper)
 
-from support.swap_models import ManagerSpy, ToyNet, assert_tensors_equal, chain, grads, group, make_input
+from support.swap_models import (ManagerSpy, ToyNet, assert_tensors_equal, chain, follows_memory, grads, group,
+                                 make_input)
 
 # Every test also runs on the simulated asynchronous device, stream-ordering checker on ([sim]).
 pytestmark = pytest.mark.sim_device
@@ -21,9 +22,9 @@ FORWARD_CALLS = [
     ("launch_offload", "layer_0"),
     # layer 1 ends: own offload, wait the predecessor's, then offload again what the first launch
     # skipped because the caller still held it (layer 0's input)
-    ("launch_offload", "layer_1"), ("wait_offload", "layer_0"), ("_retry_offload", "layer_0"),
+    ("launch_offload", "layer_1"), ("wait_offload", "layer_0"), ("retry_offload", "layer_0"),
     # layer 2 ends: the same, and the retry launched one layer earlier is waited
-    ("launch_offload", "layer_2"), ("wait_offload", "layer_1"), ("_retry_offload", "layer_1"),
+    ("launch_offload", "layer_2"), ("wait_offload", "layer_1"), ("retry_offload", "layer_1"),
     ("wait_offload", "layer_0"),
     # the last layer: no offload of its own; waits its predecessor and the retry launched before
     ("wait_offload", "layer_2"), ("wait_offload", "layer_1"),
@@ -159,7 +160,7 @@ def test_backward_entered_in_the_middle_loads_on_demand():
         outs[1].square().mean().backward()
     after = SwapManager().stats()["groups"]["layer_1"]
     assert after["loaded_bytes"] - before["loaded_bytes"] > 0
-    if not SwapManager()._waits_offload_at_once():
+    if not follows_memory():
         assert ("launch_load", "layer_1") in spy.calls and ("wait_load", "layer_1") in spy.calls
     assert_tensors_equal(grads(net), grads(base), "middle entry")
 

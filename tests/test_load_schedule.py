@@ -13,20 +13,23 @@ from hyper_parallel.core.activation_checkpoint import SwapManager, checkpoint_wr
 from hyper_parallel.core.swap_tensor import TensorState
 from hyper_parallel.tools.memory import MemoryMeter
 
-from support.swap_models import ManagerSpy, ToyNet, assert_tensors_equal, chain, grads, make_input
+from support.swap_models import (ManagerSpy, ToyNet, add_swap, assert_tensors_equal, chain, follows_memory, grads,
+                                 make_input)
 
 N_LAYERS = 4
 
-# CPU default: every layer offloads and waits at once, in one call (the last one too), its
-# predecessor's input (held by the caller at the first launch) is retried, also at once, when the
-# next layer ends (the chain retries only from a layer that has a successor, as on an accelerator,
-# where nothing would wait a retry launched by the last layer); backward makes no load call: each
-# offloaded tensor is loaded when autograd unpacks it.
+# CPU default: every layer's offload is waited right after its launch (the last one's too), its
+# predecessor's input (held by the caller at the first launch) is retried, also waited at once, when
+# the next layer ends (the chain retries only from a layer that has a successor, as on an
+# accelerator, where nothing would wait a retry launched by the last layer); backward makes no load
+# call: each offloaded tensor is loaded when autograd unpacks it.
 CPU_FORWARD_CALLS = [
-    ("_offload_at_once", "layer_0"),
-    ("_offload_at_once", "layer_1"), ("_retry_offload", "layer_0"),
-    ("_offload_at_once", "layer_2"), ("_retry_offload", "layer_1"),
-    ("_offload_at_once", "layer_3"),
+    ("launch_offload", "layer_0"), ("wait_offload", "layer_0"),
+    ("launch_offload", "layer_1"), ("wait_offload", "layer_1"),
+    ("retry_offload", "layer_0"), ("wait_offload", "layer_0"),
+    ("launch_offload", "layer_2"), ("wait_offload", "layer_2"),
+    ("retry_offload", "layer_1"), ("wait_offload", "layer_1"),
+    ("launch_offload", "layer_3"), ("wait_offload", "layer_3"),
 ]
 CPU_BACKWARD_CALLS: list = []
 
@@ -93,7 +96,7 @@ def test_limited_load_goes_in_backward_use_order_and_leaves_the_rest_on_the_host
     mgr = SwapManager()
     storage = mgr.new_storage("g")
     sizes = [64, 128, 256]  # saved in this order: backward needs the last one first
-    views = [storage.add_swap(torch.randn(n)) for n in sizes]
+    views = [add_swap(storage, torch.randn(n)) for n in sizes]
     values = [v.get_val().clone() for v in views]
     mgr.launch_offload("g"); mgr.wait_offload("g")
     tensors = [v._swap_tensor for v in views]
@@ -198,17 +201,17 @@ def test_cpu_default_offloads_dropped_tensors_during_the_layer(monkeypatch):
     offloaded while the layer runs (every EARLY_OFFLOAD_CHUNK saved bytes), as save_on_cpu would:
     the forward peak falls below recompute's, which it does not when offloads wait for the layer's
     end; gradients stay bitwise equal. Live-storage meter, not the library's counters."""
-    import hyper_parallel.core.layer_chain as layer_chain
+    import hyper_parallel.core.storage as storage_module
 
     cfg = GPTConfig(vocab=64, dim=128, heads=2, layers=4, seq=256, dropout=0.0)  # ~1 MiB tensors
-    assert SwapManager()._waits_offload_at_once()
+    assert follows_memory()
     fwd_none, _, expected = _gpt_step("none", cfg)
     fwd_recompute, step_recompute, _ = _gpt_step("recompute", cfg)
     fwd_swap, step_swap, got = _gpt_step("swap_wrapper", cfg)
     assert_tensors_equal(got, expected, "early offload")
     early = SwapManager().stats()
     assert early["offloaded_bytes"] == early["loaded_bytes"] > 0
-    monkeypatch.setattr(layer_chain, "EARLY_OFFLOAD_CHUNK", 1 << 40)  # offload at the layer's end only
+    monkeypatch.setattr(storage_module, "EARLY_OFFLOAD_CHUNK", 1 << 40)  # offload at the layer's end only
     fwd_late, _, _ = _gpt_step("swap_wrapper", cfg)
     late = SwapManager().stats()
     assert early["offload_launches"] > late["offload_launches"]
@@ -259,8 +262,8 @@ def test_cpu_default_offloads_swapped_outputs_between_the_ops_of_a_selective_reg
 
 
 def test_cpu_offload_at_once_under_a_host_cap_keeps_the_rest_and_stays_bitwise():
-    """The one-call offload of the CPU schedule honours the host cap: what does not fit stays on
-    the device (kept 'host_limit'), the rest goes and comes back; gradients bitwise."""
+    """The offload of the CPU schedule, waited at once, honours the host cap: what does not fit
+    stays on the device (kept 'host_limit'), the rest goes and comes back; gradients bitwise."""
     mgr = SwapManager()
     net = _swapped_net()
     x = make_input(net)
@@ -270,21 +273,21 @@ def test_cpu_offload_at_once_under_a_host_cap_keeps_the_rest_and_stays_bitwise()
     mgr.set_host_memory_limit(per_layer)
     with ManagerSpy() as spy:
         net(x).backward()
-    assert ("_offload_at_once", "layer_0") in spy.calls
+    assert ("launch_offload", "layer_0") in spy.calls and ("wait_offload", "layer_0") in spy.calls
     s = mgr.stats()
     assert s["kept_bytes"].get("host_limit", 0) > 0 and 0 < s["offloaded_bytes"] == s["loaded_bytes"]
     assert s["host_pool"]["reserved_bytes"] <= per_layer and s["host_pool"]["in_use_bytes"] == 0
     assert_tensors_equal(grads(net), grads(reference), "cpu offload at once under a host cap")
 
 
-def test_offload_synchronously_failing_copy_leaves_the_tensor_usable(monkeypatch):
-    """A copy that raises inside the one-call offload of the CPU schedule: the error reaches the
+def test_failing_copy_of_a_cpu_offload_leaves_the_tensor_usable(monkeypatch):
+    """A copy that raises inside an offload where copies are synchronous: the error reaches the
     caller, the tensor whose copy failed stays on the device, readable, with its host buffer back
-    in the pool; the one copied before it is on the host; the rest was not looked at."""
+    in the pool; the one copied before it is on the host once waited; the rest was not looked at."""
     mgr = SwapManager()
     storage = mgr.new_storage("g")
     values = [torch.randn(8, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    views = [storage.add_swap(v.clone()) for v in values]
+    views = [add_swap(storage, v.clone()) for v in values]
     backend = mgr.backend
     real = type(backend).copy_bytes
     copies = []
@@ -297,13 +300,15 @@ def test_offload_synchronously_failing_copy_leaves_the_tensor_usable(monkeypatch
 
     monkeypatch.setattr(type(backend), "copy_bytes", flaky)
     with pytest.raises(RuntimeError, match="simulated copy failure"):
-        mgr._group("g").offload_synchronously()
+        mgr.launch_offload("g")
+    mgr.wait_offload("g")
     monkeypatch.setattr(type(backend), "copy_bytes", real)
     assert [v._swap_tensor.state for v in views] == [TensorState.HOST, TensorState.DEVICE, TensorState.DEVICE]
     pool = mgr.stats()["host_pool"]
     assert pool["in_use_bytes"] == values[0].nbytes and mgr.stats()["offloaded_bytes"] == values[0].nbytes
     assert torch.equal(views[1].get_val(), values[1])
-    mgr._group("g").offload_synchronously()  # the rest goes now
+    mgr.launch_offload("g")  # the rest goes now
+    mgr.wait_offload("g")
     assert all(v._swap_tensor.state is TensorState.HOST for v in views)
     mgr.launch_load("g")
     mgr.wait_load("g")
@@ -312,7 +317,7 @@ def test_offload_synchronously_failing_copy_leaves_the_tensor_usable(monkeypatch
 
 
 def test_cpu_schedule_accounting_shared_once_and_one_load_per_tensor():
-    """The statistics of the one-call offload and load of the CPU schedule, against what the
+    """The statistics of the offloads and loads on use of the CPU schedule, against what the
     model saves: the parent's mask (saved by every layer, held by the model) and the inputs the
     caller still holds stay 'shared', each storage counted once (the network input is retried and
     still held; the last two layers' inputs are never retried); layer 1's input, skipped at its

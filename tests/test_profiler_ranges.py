@@ -39,16 +39,14 @@ def _step(model: GPT) -> None:
 def _expected(model: GPT):
     """Range names the layer chain must produce (at least): offloads and loads for every layer but
     the last (with a copy stream the last is never offloaded, so never loaded; on CPU it is, and its
-    ranges may appear too). On CPU (no copy stream) the copies are synchronous: an offload is done
-    within its ``launch_offload`` range and backward loads each tensor when it is used (a
-    ``launch_load`` range), with nothing to wait."""
+    ranges may appear too). On CPU (no copy stream) an offload is waited right after its launch and
+    backward loads each tensor when it is used, through the same launch and wait."""
     mgr = SwapManager()
     groups = [mgr.layer_group_name(layer) for layer in model.layers]
     assert all(groups), groups
-    kinds = KINDS if mgr.copies_overlap() else ("launch_offload", "launch_load")
     names = set()
     for g in groups[:-1]:
-        for kind in kinds:
+        for kind in KINDS:
             names.add(f"hyper_parallel.{kind}[{g}]")
     return names
 

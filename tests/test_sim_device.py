@@ -18,7 +18,8 @@ def dev():
 
 
 def _meta(sim, t):
-    return sim.view_meta(t)
+    """What ``empty_device_bytes`` needs to allocate like ``t`` (a swap candidate's view meta)."""
+    return sim.saved_facts(t, ()).meta
 
 
 def _d2h(sim, src, copy):
@@ -126,7 +127,7 @@ def test_strict_mode_raises_at_the_faulty_call():
     with sim.checking():
         with pytest.raises(StreamHazard, match="copy stream copy0@dev0 is current"):
             with sim.stream_context(copy):
-                sim.empty_device_bytes(8, sim.view_meta(torch.zeros(1)))
+                sim.empty_device_bytes(8, _meta(sim, torch.zeros(1)))
 
 
 def test_random_mode_is_deterministic_per_seed():

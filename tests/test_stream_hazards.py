@@ -17,13 +17,13 @@ from hyper_parallel.core.swap_tensor import TensorState
 from hyper_parallel.testing import simulated_device
 
 from support import sim_scenarios as sc
-from support.swap_models import ToyNet, assert_tensors_equal, chain, grads, make_input
+from support.swap_models import ToyNet, add_swap, assert_tensors_equal, chain, grads, make_input
 
 sim_only = pytest.mark.sim_only
 
 
 def _group_tensors(name):
-    return [t for s in SwapManager()._group(name).storages() for t in s.swap_tensors()]
+    return [t for s in SwapManager()._group(name).storages() for t in s.swap_tensors]
 
 
 # ------------------------------------------------------------------------------ 1. side-stream producer
@@ -189,7 +189,7 @@ def test_h7_host_pool_counts_what_the_pinned_allocator_reserves():
         storage = mgr.new_storage("g")
         g = torch.Generator().manual_seed(0)
         values = [torch.randn(750, generator=g) for _ in range(2)]  # 3000 bytes each
-        views = [storage.add_swap(v.clone()) for v in values]
+        views = [add_swap(storage, v.clone()) for v in values]
         mgr.launch_offload("g")
         mgr.wait_offload("g")
         stats = mgr.stats()
@@ -216,7 +216,7 @@ def test_h8_two_threads_cannot_both_pass_the_host_cap(sim):
     tensors = {}
     for name in ("a", "b"):
         storage = mgr.new_storage(name)
-        tensors[name] = (storage, storage.add_swap(torch.randn(256, 4)))
+        tensors[name] = (storage, add_swap(storage, torch.randn(256, 4)))
     nbytes = 256 * 4 * 4
     mgr.set_host_memory_limit(nbytes)
     inside = {"a": threading.Event(), "b": threading.Event()}

@@ -134,7 +134,7 @@ def test_without_waiting_the_producer_side_stream(monkeypatch):
     """The copy stream waits only the current stream, not the side stream that produced the
     activations (and that the current stream was not ordered after)."""
     def current_only(self, copy_stream, device, tensors):
-        p = self._b
+        p = self.backend
         p.wait_event(copy_stream, p.record_event(p.current_stream(device)))
 
     monkeypatch.setattr(SwapGroup, "_order_d2h_after_producers", current_only)

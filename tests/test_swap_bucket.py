@@ -13,13 +13,13 @@ import weakref
 import pytest
 import torch
 
-from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
+from hyper_parallel.core.activation_checkpoint import KeepReason, SwapManager, swap_wrapper
 from hyper_parallel.core.swap_bucket import SLOT_ALIGN, plan_buckets
 from hyper_parallel.core.swap_tensor import TensorState
 from hyper_parallel.tools.memory import MemoryMeter
 
 from support import sim_scenarios as sc
-from support.swap_models import ToyNet, assert_tensors_equal, chain, grads, make_input
+from support.swap_models import ToyNet, add_swap, assert_tensors_equal, chain, grads, make_input
 
 pytestmark = pytest.mark.sim_device
 
@@ -74,7 +74,7 @@ def test_a_region_comes_back_with_one_copy_per_bucket_with_exact_views(monkeypat
     originals = [torch.randn(3, 5), torch.randn(64), base[1:4, 2:7], base.t(), torch.arange(7),
                  torch.randn(2, 3).expand(4, 2, 3), torch.randn(8, 8) > 0]
     # detached, as the packer's aliases are (a view's _base would hold the storage a second time)
-    views = [storage.add_swap(t.detach()) for t in originals]
+    views = [add_swap(storage, t.detach()) for t in originals]
     del base, originals  # only the swap system holds them now (else they are skipped as shared)
     values = [v.get_val().clone() for v in views]
     layout = _saved_layout([v.get_val() for v in views])
@@ -101,7 +101,7 @@ def test_a_region_comes_back_with_one_copy_per_bucket_with_exact_views(monkeypat
 def test_the_bucket_device_block_lives_as_long_as_its_last_member(swap_backend):
     mgr = SwapManager()
     storage = mgr.new_storage("g")
-    views = [storage.add_swap(torch.randn(16)) for _ in range(3)]
+    views = [add_swap(storage, torch.randn(16)) for _ in range(3)]
     mgr.launch_offload("g"); mgr.wait_offload("g")
     mgr.launch_load("g"); mgr.wait_load("g")
     block = weakref.ref(views[0]._swap_tensor._block.untyped_storage())
@@ -116,7 +116,7 @@ def test_a_member_autograd_dropped_while_on_the_host_does_not_hold_the_block(swa
     loss) comes back with its bucket; it must not keep the bucket's block alive after the others."""
     mgr = SwapManager()
     storage = mgr.new_storage("g")
-    views = [storage.add_swap(torch.randn(16)) for _ in range(3)]
+    views = [add_swap(storage, torch.randn(16)) for _ in range(3)]
     mgr.launch_offload("g"); mgr.wait_offload("g")
     views[0] = None  # dropped while on the host
     mgr.launch_load("g"); mgr.wait_load("g")
@@ -128,7 +128,7 @@ def test_a_member_autograd_dropped_while_on_the_host_does_not_hold_the_block(swa
 def test_a_budgeted_load_takes_a_bucket_whole_or_not_at_all(swap_backend):
     mgr = SwapManager()
     storage = mgr.new_storage("g")
-    views = [storage.add_swap(torch.randn(32)) for _ in range(3)]  # 128 bytes each, one bucket
+    views = [add_swap(storage, torch.randn(32)) for _ in range(3)]  # 128 bytes each, one bucket
     mgr.launch_offload("g"); mgr.wait_offload("g")
     tensors = [v._swap_tensor for v in views]
     mgr.launch_load("g", limit_bytes=2 * 128)  # room for two of three: the bucket does not fit
@@ -150,7 +150,7 @@ def test_swap_wrapper_gradients_are_bitwise_with_buckets_and_without(monkeypatch
         loss = net(make_input(net))
         mgr.set_current_group_name(None)
         mgr.launch_offload("g"); mgr.wait_offload("g")
-        stored = [t for s in mgr._group("g").storages() for t in s.swap_tensors() if t.state is TensorState.HOST]
+        stored = [t for s in mgr._group("g").storages() for t in s.swap_tensors if t.state is TensorState.HOST]
         copies = _count_copies(monkeypatch, mgr.backend)
         mgr.launch_load("g"); mgr.wait_load("g")
         monkeypatch.undo()
@@ -172,7 +172,7 @@ def test_layer_chain_loads_a_bucket_on_first_use_and_stays_bitwise(monkeypatch, 
     loss = net(x)
     offloaded = mgr.stats()["offloaded_bytes"]
     on_host = sum(1 for name in mgr.group_names() for s in mgr._group(name).storages()
-                  for t in s.swap_tensors() if t.state is TensorState.HOST)
+                  for t in s.swap_tensors if t.state is TensorState.HOST)
     copies = _count_copies(monkeypatch, mgr.backend)
     loss.backward()
     reference(x).backward()
@@ -202,7 +202,7 @@ def test_a_failed_copy_inside_a_bucket_returns_the_unused_shares(sim):
     with pytest.raises(RuntimeError, match="injected"):
         mgr.launch_offload("g")
     del sim.before_call["copy_bytes"]
-    tensors = [t for s in mgr._group("g").storages() for t in s.swap_tensors()]
+    tensors = [t for s in mgr._group("g").storages() for t in s.swap_tensors]
     in_flight = [t for t in tensors if t.state is TensorState.D2H]
     assert len(in_flight) == 1 and in_flight[0].bucket is not None
     # the started member still holds the bucket's buffer; the failed and unstarted ones gave theirs up
@@ -229,7 +229,7 @@ def test_set_bucket_bytes_checks_its_argument_and_reset_turns_it_off(swap_backen
     assert mgr.bucket_bytes() == 2 * SLOT_ALIGN
     mgr.set_bucket_bytes(0)
     storage = mgr.new_storage("g")
-    views = [storage.add_swap(torch.randn(8)) for _ in range(3)]
+    views = [add_swap(storage, torch.randn(8)) for _ in range(3)]
     mgr.launch_offload("g"); mgr.wait_offload("g")
     assert all(v._swap_tensor.bucket is None for v in views)
     mgr.set_bucket_bytes(MiB)
@@ -250,13 +250,13 @@ def test_the_cpu_memory_meter_counts_a_bucket_block_once_not_once_more_per_slot(
 
 
 def test_an_empty_storage_among_small_ones_round_trips(swap_backend):
-    """Storage.add_swap takes what it is given (the packer keeps empty tensors, but a direct caller
-    may not): a zero-byte storage goes through with its bucket's siblings (the simulated device
-    once failed on its copy)."""
+    """A zero-byte storage saved among small ones stays on the device as it is (``empty``; the
+    simulated device once failed on its copy), its bucket's siblings go and come back."""
     mgr = SwapManager()
     storage = mgr.new_storage("g")
     originals = [torch.empty(0), torch.randn(4), torch.randn(4)]
-    views = [storage.add_swap(t.clone()) for t in originals]
+    views = [storage.add(mgr.backend.saved_facts(t.clone(), ())) for t in originals]
+    assert mgr.stats()["kept_bytes"] == {KeepReason.EMPTY: 0}
     mgr.launch_offload("g"); mgr.wait_offload("g")
     mgr.launch_load("g"); mgr.wait_load("g")
     assert all(torch.equal(v.get_val(), t) for v, t in zip(views, originals))

@@ -9,11 +9,12 @@ import weakref
 import pytest
 import torch
 
-from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
+from hyper_parallel.core.activation_checkpoint import KeepReason, SwapManager, swap_wrapper
 from hyper_parallel.core.swap_tensor import SwapView, TensorState
 from hyper_parallel.tools.memory import MemoryMeter
 
-from support.swap_models import ToyNet, assert_tensors_equal, grads, group, make_input, round_trip, train
+from support.swap_models import (ToyNet, add_swap, assert_tensors_equal, grads, group, make_input, round_trip,
+                                 train)
 
 # Every test also runs on the simulated asynchronous device, stream-ordering checker on ([sim]).
 pytestmark = pytest.mark.sim_device
@@ -34,7 +35,7 @@ def test_state_machine_walk_and_reads(fresh_manager):
     mgr = fresh_manager
     storage = mgr.new_storage("g")
     expected = _fresh()
-    view = storage.add_swap(expected.clone())  # nobody else holds the clone
+    view = add_swap(storage, expected.clone())  # nobody else holds the clone
     assert isinstance(view, SwapView)
     st = view._swap_tensor
     assert st.state is TensorState.DEVICE and st.nbytes == expected.nbytes
@@ -72,7 +73,7 @@ def test_source_storage_freed_at_wait_offload(fresh_manager):
     storage = mgr.new_storage("g")
     t = _fresh(64)
     ref = weakref.ref(t.untyped_storage())
-    view = storage.add_swap(t)
+    view = add_swap(storage, t)
     del t
     mgr.launch_offload("g")
     gc.collect()
@@ -90,9 +91,9 @@ def test_aliases_of_one_storage_are_one_swap_tensor(fresh_manager):
     storage = mgr.new_storage("g")
     base = _fresh(8)
     expected = base.clone()
-    views = [storage.add_swap(v) for v in (base[:, :4], base.t(), base[2:6].view(-1), base)]
+    views = [add_swap(storage, v) for v in (base[:, :4], base.t(), base[2:6].view(-1), base)]
     del base
-    assert len(storage.swap_storage) == 1
+    assert len(storage.swap_tensors) == 1
     assert len({id(v._swap_tensor) for v in views}) == 1
     round_trip("g")
     assert mgr.stats()["offloaded_bytes"] == expected.nbytes  # one copy for all aliases
@@ -108,7 +109,7 @@ def test_aliases_of_one_storage_are_one_swap_tensor(fresh_manager):
 def test_saving_into_a_storage_in_flight_is_an_error(fresh_manager):
     mgr = fresh_manager
     storage = mgr.new_storage("g")
-    view = storage.add_swap(_fresh())
+    view = add_swap(storage, _fresh())
     mgr.launch_offload("g")
     st = view._swap_tensor
     assert st.state is TensorState.D2H
@@ -124,7 +125,7 @@ def test_storage_held_elsewhere_is_kept_shared(fresh_manager):
     mgr = fresh_manager
     storage = mgr.new_storage("g")
     base = _fresh(8)
-    view = storage.add_swap(base[:4])
+    view = add_swap(storage, base[:4])
     round_trip("g")
     st = view._swap_tensor
     # skipped by this launch (not kept for good: a later launch tries again) and reported
@@ -133,16 +134,20 @@ def test_storage_held_elsewhere_is_kept_shared(fresh_manager):
     assert mgr.stats()["offloaded_bytes"] == 0
     got = view.get_val()
     assert got.data_ptr() == base.data_ptr(), "a kept tensor is the original, not a copy"
-    # A kept storage stays kept: the next launch does not copy it either.
-    del base
+    # While it is held, the next launch does not copy it either.
     round_trip("g")
     assert mgr.stats()["offloaded_bytes"] == 0
+    # Once nobody else holds it, a launch moves it (it was never kept for good).
+    del base, got
+    round_trip("g")
+    assert mgr.stats()["offloaded_bytes"] == st.nbytes
+    assert torch.equal(view.get_val(), _fresh(8)[:4])
 
 
 def test_pending_offload_cancelled_by_launch_load(fresh_manager):
     mgr = fresh_manager
     storage = mgr.new_storage("g")
-    view = storage.add_swap(_fresh())
+    view = add_swap(storage, _fresh())
     mgr.launch_offload("g")
     assert view._swap_tensor.state is TensorState.D2H
     mgr.launch_load("g")  # the offload was never waited: its source is intact, keep it
@@ -172,7 +177,7 @@ def test_wait_load_without_launch(fresh_manager):
 def test_second_wait_offload_is_an_error(fresh_manager):
     mgr = fresh_manager
     storage = mgr.new_storage("g")
-    view = storage.add_swap(_fresh())
+    view = add_swap(storage, _fresh())
     mgr.launch_offload("g")
     mgr.wait_offload("g")
     with pytest.raises(RuntimeError, match="launch_offload"):
@@ -251,7 +256,7 @@ def test_atomic_api_manual_group(fresh_manager, explicit_stream):
 def test_add_storage_moves_a_storage_with_another_group(fresh_manager):
     mgr = fresh_manager
     storage = mgr.new_storage("a")
-    view = storage.add_swap(_fresh())
+    view = add_swap(storage, _fresh())
     mgr.add_storage("b", storage)  # now also scheduled with group "b"
     assert "b" in mgr.group_names()
     mgr.launch_offload("b")
@@ -275,8 +280,8 @@ def test_stats_totals_are_sums_of_groups(fresh_manager):
     views = []  # what autograd would hold: a storage nobody holds a view of is released
     for name, n in (("a", 8), ("b", 16)):
         storage = mgr.new_storage(name)
-        views.append(storage.add_swap(_fresh(n)))
-        storage.add_save(100, "policy_save")
+        views.append(add_swap(storage, _fresh(n)))
+        storage.add(mgr.backend.saved_facts(torch.zeros(25), ()), KeepReason.POLICY_SAVE)  # 100 bytes kept
         round_trip(name)
     s = mgr.stats()
     assert set(s["groups"]) == {"a", "b"}
@@ -294,7 +299,7 @@ def test_host_buffers_are_pooled_and_not_counted_as_device_memory(fresh_manager)
     with MemoryMeter("cpu", scan_gc=False) as meter:
         for step in range(3):
             storage = mgr.new_storage("g")
-            view = storage.add_swap(_fresh(seed=step) * 1)  # made inside the meter: counted
+            view = add_swap(storage, _fresh(seed=step) * 1)  # made inside the meter: counted
             live = meter.current_bytes
             mgr.launch_offload("g")
             mgr.wait_offload("g")
@@ -314,7 +319,7 @@ def test_host_buffers_are_pooled_and_not_counted_as_device_memory(fresh_manager)
 def test_host_buffer_returned_when_graph_dies_while_offloaded(fresh_manager):
     mgr = fresh_manager
     storage = mgr.new_storage("g")
-    view = storage.add_swap(_fresh())
+    view = add_swap(storage, _fresh())
     mgr.launch_offload("g")
     mgr.wait_offload("g")
     assert mgr.stats()["host_pool"]["in_use_bytes"] == 16 * 16 * 4
@@ -363,7 +368,7 @@ def test_host_memory_limit_zero_keeps_everything(fresh_manager):
     mgr = fresh_manager
     mgr.set_host_memory_limit(0)
     storage = mgr.new_storage("g")
-    view = storage.add_swap(_fresh())
+    view = add_swap(storage, _fresh())
     round_trip("g")
     assert view._swap_tensor.kept_reason == "host_limit"
     assert mgr.stats()["kept_bytes"] == {"host_limit": 16 * 16 * 4}
@@ -529,17 +534,17 @@ def test_host_limit_with_changing_shapes_reuses_idle_budget(fresh_manager):
     assert kept6 == 0
 
 
-# ------------------------------------------------------------------------------ synchronous load lane
-def test_load_synchronously_restores_layout_and_frees_the_host_buffer(fresh_manager):
-    """The one-call load of a backend without streams (the layer chain's load on use on CPU):
-    host -> device with the exact layout of every alias, the host buffer back in the pool, and
-    the reloaded bytes in memory of their own (the pool reuses the buffer at once)."""
+# ------------------------------------------------------------------------------ load on use
+def test_load_now_restores_layout_and_frees_the_host_buffer(fresh_manager):
+    """The layer chain's load on use (one storage when autograd unpacks it): host -> device with
+    the exact layout of every alias, the host buffer back in the pool, and the reloaded bytes in
+    memory of their own (the pool reuses the buffer at once)."""
     mgr = fresh_manager
     storage = mgr.new_storage("g")
     base = _fresh(8)
     source = base.clone()
-    whole = storage.add_swap(source)
-    part = storage.add_swap(source[2:, 1:].t())  # an alias with an offset and transposed strides
+    whole = add_swap(storage, source)
+    part = add_swap(storage, source[2:, 1:].t())  # an alias with an offset and transposed strides
     del source
     st = whole._swap_tensor
     assert part._swap_tensor is st
@@ -547,9 +552,10 @@ def test_load_synchronously_restores_layout_and_frees_the_host_buffer(fresh_mana
     mgr.wait_offload("g")
     assert st.state is TensorState.HOST
     host = st._host
-    st.load_synchronously()
+    mgr._group("g").load_now(st)
     assert st.state is TensorState.DEVICE
     assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
+    assert mgr.stats()["loaded_bytes"] == base.nbytes and mgr.stats()["load_launches"] == 1
     got_whole, got_part = whole.get_val(), part.get_val()
     expected_part = base[2:, 1:].t()
     assert torch.equal(got_whole, base) and torch.equal(got_part, expected_part)
@@ -560,39 +566,24 @@ def test_load_synchronously_restores_layout_and_frees_the_host_buffer(fresh_mana
     assert torch.equal(whole.get_val(), base)
 
 
-def test_load_synchronously_refuses_other_states_and_bucket_members(fresh_manager):
+def test_load_now_loads_only_a_tensor_on_the_host_and_a_bucket_whole(fresh_manager):
     mgr = fresh_manager
     storage = mgr.new_storage("g")
-    view = storage.add_swap(_fresh() * 1)
+    view = add_swap(storage, _fresh() * 1)
     st = view._swap_tensor
-    with pytest.raises(RuntimeError, match="load_synchronously on a tensor in state 'device'"):
-        st.load_synchronously()
+    mgr._group("g").load_now(st)  # on the device: nothing to do
+    assert st.state is TensorState.DEVICE and mgr.stats()["load_launches"] == 0
     mgr.set_bucket_bytes(1 << 20)
     storage = mgr.new_storage("b")
-    views = [storage.add_swap(_fresh(4, seed=i) * 1) for i in range(3)]
+    views = [add_swap(storage, _fresh(4, seed=i) * 1) for i in range(3)]
     mgr.launch_offload("b")
     mgr.wait_offload("b")
     member = views[0]._swap_tensor
     assert member.bucket is not None and member.state is TensorState.HOST
-    with pytest.raises(RuntimeError, match=r"state 'host' \(in a bucket\)"):
-        member.load_synchronously()
-    mgr.launch_load("b")
-    mgr.wait_load("b")
+    mgr._group("b").load_now(member)  # its siblings share its copy: they come back with it
+    assert all(v._swap_tensor.state is TensorState.DEVICE for v in views)
     assert all(torch.equal(v.get_val(), _fresh(4, seed=i)) for i, v in enumerate(views))
-
-
-def test_load_bytes_returns_a_copy_on_the_device(fresh_manager):
-    """``Backend.load_bytes`` (one call per reloaded storage on CPU): new memory with the host
-    buffer's bytes; torch's ``Tensor.to`` would return the buffer itself on CPU without ``copy=True``."""
-    b = fresh_manager.backend
-    like = b.view_meta(_fresh())
-    host = b.empty_host_bytes(64)
-    host.copy_(torch.arange(64, dtype=torch.uint8))
-    dev = b.load_bytes(host, 64, like)
-    assert dev.dtype == torch.uint8 and dev.numel() == 64
-    assert dev.untyped_storage().data_ptr() != host.untyped_storage().data_ptr()
-    host.fill_(7)
-    assert torch.equal(dev, torch.arange(64, dtype=torch.uint8))
+    assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
 
 
 def test_copy_stream_lookup_is_cached_even_without_streams(fresh_manager, monkeypatch):
@@ -605,22 +596,6 @@ def test_copy_stream_lookup_is_cached_even_without_streams(fresh_manager, monkey
                         lambda self, device=None: calls.append(device) or real(self, device))
     first = mgr._copy_stream_for(None)
     assert mgr._copy_stream_for(None) is first and len(calls) == 1
-
-
-def test_offload_synchronously_only_without_streams(fresh_manager):
-    """The one-call offload hands host buffers back and drops sources as soon as a copy call
-    returns: only valid where copies are synchronous; with streams it refuses."""
-    mgr = fresh_manager
-    storage = mgr.new_storage("g")
-    view = storage.add_swap(_fresh() * 1)
-    group = mgr._group("g")
-    if mgr.copies_overlap():
-        with pytest.raises(RuntimeError, match="offload_synchronously needs a backend without streams"):
-            group.offload_synchronously()
-        assert view._swap_tensor.state is TensorState.DEVICE
-    else:
-        group.offload_synchronously()
-        assert view._swap_tensor.state is TensorState.HOST and not group.offload_pending
 
 
 @pytest.mark.parametrize("bad", [3, ""])

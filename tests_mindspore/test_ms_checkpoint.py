@@ -67,7 +67,7 @@ def test_policy_receives_mindspore_ops_and_truthful_is_recompute():
     assert rec == fwd  # asked again for every op while recomputing, in the same order
     assert policy.op_types == {"OpFunc"}
     # the flags are back to 0 once backward is done
-    assert region_flags.checkpoint_depth == 0 and region_flags.recompute_depth == 0
+    assert region_flags.checkpoint_depth == 0 and region_flags.frames == []  # (frames: (frame, recompute) pairs)
 
 
 def test_list_policy_by_op_name_and_primitive():

@@ -52,7 +52,7 @@ def test_storage_copies_and_rebuilt_views_share_memory():
     p = active_backend()
     base = Tensor(np.arange(12, dtype=np.float32).reshape(3, 4)) * 1.0
     view = base.transpose(1, 0)[1:]
-    meta = p.view_meta(view)
+    meta = p.saved_facts(view, ()).meta
     again = p.rebuild_view(view, meta)  # over the storage of a saved tensor (a cancelled offload)
     assert again.stride() == view.stride() and again.storage_offset() == view.storage_offset()
     assert np.array_equal(again.asnumpy(), view.asnumpy()) and again.data_ptr() == view.data_ptr()
@@ -76,9 +76,9 @@ def test_alias_shares_the_version_counter_and_has_no_graph():
 
 def test_unswappable_reasons_and_cpu_streams_are_noops():
     p = active_backend()
-    assert p.unswappable_reason(Tensor(np.ones(3, np.float32))) is None
-    assert p.unswappable_reason(Tensor(np.ones(0, np.float32))) == "empty"
-    assert p.unswappable_reason(object()) == "unsupported_tensor"
+    assert p.saved_facts(Tensor(np.ones(3, np.float32)), ()).reason is None
+    assert p.saved_facts(Tensor(np.ones(0, np.float32)), ()).reason == "empty"
+    assert p.saved_facts(object(), ()).reason == "unsupported_tensor"
     assert p.storage_other_holders([Tensor(np.ones(3, np.float32))]) == 0
     if ms.get_context("device_target") == "CPU":
         assert p.current_stream() is None and p.new_copy_stream() is None

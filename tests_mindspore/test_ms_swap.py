@@ -28,7 +28,7 @@ def _vjp_grads(vjp_fn, out):
 
 
 def _swap_tensors(mgr, name):
-    return [t for s in mgr._group(name).storages() for t in s.swap_tensors()]
+    return [t for s in mgr._group(name).storages() for t in s.swap_tensors]
 
 
 # ------------------------------------------------------------------------------ atomic API
@@ -96,12 +96,12 @@ def test_aliases_come_back_as_aliases_and_stride0_views():
     views = [base, base.transpose(1, 0), base[1:3, 2:5], base.reshape(24)[5:],
              ops.broadcast_to(small, (4, 3))]
     expect = [v.asnumpy().copy() for v in views]
-    handles = [storage.add_swap(v) for v in views]
-    assert isinstance(storage, Storage) and len(storage.swap_storage) == 2  # base's and small's
+    handles = [storage.add(mgr.backend.saved_facts(v, ())) for v in views]
+    assert isinstance(storage, Storage) and len(storage.swap_tensors) == 2  # base's and small's
     del views
     mgr.launch_offload("views")
     mgr.wait_offload("views")
-    assert all(t.state.value == "host" for t in storage.swap_tensors())
+    assert all(t.state.value == "host" for t in storage.swap_tensors)
     mgr.launch_load("views")
     mgr.wait_load("views")
     got = [h.get_val() for h in handles]

@@ -52,16 +52,18 @@ class OpKind(enum.Enum):
 
 
 class SavedFacts(NamedTuple):
-    """What the swap path needs to know about one tensor autograd saves, answered by
+    """What the swap path needs to know about one tensor a region saves, answered by
     :meth:`Backend.saved_facts` in one call (it runs for every saved tensor).
 
     ``reason`` is ``None`` for a swap candidate, else why the tensor stays on the device as it is.
     ``alias`` (see :meth:`Backend.alias`) and ``version`` (its version counter now) are always set;
     ``nbytes`` is the storage's size (0 where it cannot be measured); ``key`` the storage's
-    :meth:`Backend.storage_id` once the tensor passed :meth:`Backend.unswappable_reason` (a
-    candidate, a parameter, a buffer), else ``None``. ``meta`` (the alias's
-    :meth:`Backend.view_meta`), ``device`` (its :meth:`Backend.device_key`) and ``stream`` (the
-    current stream there: the producer) are set for a swap candidate only (else ``None``)."""
+    :meth:`Backend.storage_id` for a candidate, a parameter or a buffer, else ``None``. ``meta``
+    (what :meth:`Backend.rebuild_view` and :meth:`Backend.empty_device_bytes` need: size, stride,
+    storage offset, dtype, device), ``device`` (the device whose streams order the storage's
+    copies, what :meth:`Backend.current_stream` and :meth:`Backend.new_copy_stream` take) and
+    ``stream`` (the current stream there: the producer) are set for a swap candidate only (else
+    ``None``)."""
 
     reason: Optional[KeepReason]
     alias: Tensor
@@ -90,177 +92,102 @@ class Backend(abc.ABC):
     rng_replayable: bool = True
     #: What a list policy holds, for error messages ("OpOverloads", "op names").
     op_list_entries: str = "ops"
-    #: Whether :meth:`run_checkpoint` installs a frame's ``boxes`` (``SessionBoxes``) inside the
-    #: framework's checkpoint hooks, so that a ``RecomputeSession`` can share one recomputation
-    #: between the halves of a split backward. When False, no boxes are made and each half
-    #: recomputes (the framework's behaviour).
+    #: Whether a frame's ``boxes`` (``SessionBoxes``) can be installed inside the framework's
+    #: checkpoint hooks (:meth:`session_hooks`), so that a ``RecomputeSession`` can share one
+    #: recomputation between the halves of a split backward. When False, no boxes are made and
+    #: each half recomputes (the framework's behaviour).
     recompute_sessions: bool = False
     #: Whether sub-modules can be excluded from a region's recomputation
-    #: (``checkpoint_exclude_wrapper``; needs :meth:`recomputed_leaf` and the frames that
-    #: :meth:`run_checkpoint` marks).
+    #: (``checkpoint_exclude_wrapper``; needs :meth:`recomputed_leaf`).
     exclusion_supported: bool = False
     #: Whether the op objects a dispatch mode receives live as long as the process (one object per
     #: op, as PyTorch's ``OpOverload``): a selective region then remembers each op's kind per object.
     persistent_ops: bool = False
 
-    # ------------------------------------------------------------------ tensors: identity, layout
+    # ------------------------------------------------------------------ tensors
     @abc.abstractmethod
     def is_tensor(self, x: Any) -> bool:
         """True for a tensor of this framework."""
-        ...
 
     @abc.abstractmethod
     def storage_id(self, t: Tensor) -> int:
         """Identity of the storage ``t`` views; equal for all views of one storage and stable while
         any of them is alive."""
-        ...
 
     @abc.abstractmethod
-    def storage_nbytes(self, t: Tensor) -> int:
-        """Bytes of the whole storage ``t`` views (what an offload copies)."""
-        ...
+    def saved_facts(self, t: Tensor, param_keys: Container[int]) -> SavedFacts:
+        """Everything the swap path needs to know about a tensor a region saves (see
+        :class:`SavedFacts`), in one call: it runs for every tensor autograd saves in a swap
+        region. The reason it stays on the device, checked in this order: ``UNSUPPORTED_TENSOR``
+        (a tensor type a byte copy cannot rebuild), ``ON_HOST`` (already in host memory),
+        ``EMPTY`` (an empty storage), ``PARAMETER`` / ``BUFFER`` when its storage is one of
+        ``param_keys`` (by whether it requires grad), ``PARAMETER`` for a view of a leaf that
+        requires grad (a parameter or an input being differentiated, held outside the region);
+        else it is a swap candidate. Callable from a saved-tensor hook and from inside a dispatch
+        mode (below autograd, where the alias must still share the version counter)."""
 
     @abc.abstractmethod
     def storage_other_holders(self, aliases: Sequence[Tensor]) -> int:
         """How many tensors other than ``aliases`` still view their (common) storage; 0 when the
         framework cannot tell (then every candidate is copied, which stays safe)."""
-        ...
-
-    def offload_blocker(self, aliases: Sequence[Tensor], versions: Sequence[int]) -> Optional[KeepReason]:
-        """Why the storage that ``aliases`` (saved tensors, ``versions`` their versions when saved)
-        view cannot be offloaded now: ``MODIFIED_IN_PLACE`` when one was changed in place since
-        (its :meth:`version` moved), else ``SHARED`` when :meth:`storage_other_holders` is above 0;
-        ``None`` when it can go. One call for what an offload checks per storage; the default
-        composes those primitives, and an override must give the same answers."""
-        for alias, saved in zip(aliases, versions):
-            if self.version(alias) != saved:
-                return KeepReason.MODIFIED_IN_PLACE
-        return KeepReason.SHARED if self.storage_other_holders(aliases) > 0 else None
 
     @abc.abstractmethod
     def version(self, t: Tensor) -> int:
         """The version counter bumped by every in-place change of ``t``'s data (shared by aliases)."""
-        ...
-
-    @abc.abstractmethod
-    def view_meta(self, t: Tensor) -> ViewMeta:
-        """Everything :meth:`rebuild_view` needs to rebuild ``t`` over a copy of its storage:
-        size, stride, storage offset, dtype, device."""
-        ...
 
     @abc.abstractmethod
     def alias(self, t: Tensor) -> Tensor:
         """A view of ``t`` with the same layout, no autograd history, sharing ``t``'s version
         counter; callable from inside a dispatch mode and from a saved-tensor hook."""
-        ...
 
     @abc.abstractmethod
     def clone(self, t: Tensor) -> Tensor:
         """A new tensor with ``t``'s values and layout, in its own storage."""
-        ...
 
     @abc.abstractmethod
     def hand_back(self, t: Tensor) -> Tensor:
         """The tensor a recomputation returns for a kept op output ``t`` (``t`` itself where
         autograd allows it; a fresh alias where autograd attaches its node to the object)."""
-        ...
-
-    @abc.abstractmethod
-    def unswappable_reason(self, t: Tensor) -> Optional[KeepReason]:
-        """Why ``t`` cannot be swapped (``None`` if it can): a tensor type the byte copy cannot
-        rebuild, a tensor already in host memory, an empty storage."""
-        ...
 
     @abc.abstractmethod
     def requires_grad(self, t: Tensor) -> bool:
         """Whether ``t`` requires grad (its gradient is computed in backward)."""
-        ...
-
-    @abc.abstractmethod
-    def is_grad_leaf(self, t: Tensor) -> bool:
-        """Whether ``t`` (or the tensor it is a view of) is a leaf that requires grad: a parameter
-        or an input being differentiated, held outside any region."""
-        ...
-
-    def saved_facts(self, t: Tensor, param_keys: Container[int]) -> SavedFacts:
-        """Everything a saved-tensor pack needs to know about ``t`` (see :class:`SavedFacts`), with
-        the reason it stays on the device: :meth:`unswappable_reason`, else ``PARAMETER`` /
-        ``BUFFER`` when its storage is one of ``param_keys`` (by :meth:`requires_grad`), else
-        ``PARAMETER`` for a :meth:`is_grad_leaf`. The default composes those primitives; a backend
-        may answer in one call, with exactly the same answers (``tests/test_backend_contract.py``
-        compares them)."""
-        alias = self.alias(t)
-        version = self.version(alias)
-        reason = self.unswappable_reason(t)
-        if reason is not None:
-            nbytes = 0 if reason is KeepReason.UNSUPPORTED_TENSOR else self.storage_nbytes(t)
-            return SavedFacts(reason, alias, version, None, nbytes, None, None, None)
-        key = self.storage_id(t)
-        nbytes = self.storage_nbytes(t)
-        if key in param_keys:
-            reason = KeepReason.PARAMETER if self.requires_grad(t) else KeepReason.BUFFER
-        elif self.is_grad_leaf(t):
-            reason = KeepReason.PARAMETER
-        if reason is not None:
-            return SavedFacts(reason, alias, version, key, nbytes, None, None, None)
-        return self.candidate_facts(alias, version, key, nbytes)
-
-    def candidate_facts(self, alias: Tensor, version: int, key: int, nbytes: int) -> SavedFacts:
-        """The :class:`SavedFacts` of a swap candidate whose ``alias``, ``version``, storage
-        ``key`` and ``nbytes`` are known: its view metadata, device and producer stream added."""
-        meta = self.view_meta(alias)
-        device = self.device_key(meta)
-        return SavedFacts(None, alias, version, key, nbytes, meta, device, self.current_stream(device))
 
     # ------------------------------------------------------------------ byte views, allocation, copies
     @abc.abstractmethod
     def rebuild_view(self, flat: Any, meta: ViewMeta) -> Tensor:
         """A tensor with ``meta``'s layout over the storage of ``flat`` (a byte tensor, a saved
         tensor of that storage, or what :meth:`slot_bytes` returned)."""
-        ...
 
     #: Whether :meth:`slot_bytes` can make a storage over part of another (bucketed copies need
     #: it, ``core/swap_bucket.py``; without it every storage is copied by itself).
     supports_slots: bool = False
 
+    @abc.abstractmethod
     def slot_bytes(self, buf: Tensor, offset: int, nbytes: int) -> Any:
         """Bytes ``[offset, offset + nbytes)`` of ``buf``'s storage as a storage of their own that
         shares ``buf``'s memory and keeps it alive: views rebuilt over it (:meth:`rebuild_view`)
         keep their original storage offset and storage size. Only called where
-        :attr:`supports_slots` is true."""
-        raise NotImplementedError(f"{type(self).__name__} cannot make a storage over part of another")
+        :attr:`supports_slots` is true (elsewhere: raise)."""
 
     @abc.abstractmethod
     def empty_device_bytes(self, nbytes: int, like: ViewMeta) -> Tensor:
         """``nbytes`` uninitialised bytes on the device of ``like``, allocated for the current
         (compute) stream."""
-        ...
-
-    def load_bytes(self, host: Tensor, nbytes: int, like: ViewMeta) -> Tensor:
-        """A new byte tensor on the device of ``like`` (allocated for the current stream) holding
-        the ``nbytes`` of the host byte buffer ``host``, copied on the current stream: what a
-        synchronous load (a backend without streams) does; the host buffer may be reused as soon
-        as this returns. The default is :meth:`empty_device_bytes` + :meth:`copy_bytes`; a
-        framework that allocates and copies in one call should do that."""
-        dev = self.empty_device_bytes(nbytes, like)
-        self.copy_bytes(dev, host)
-        return dev
 
     @abc.abstractmethod
     def empty_host_bytes(self, nbytes: int) -> Tensor:
         """``nbytes`` host bytes, page-locked where the framework offers it (asynchronous copies)."""
-        ...
 
+    @abc.abstractmethod
     def host_alloc_size(self, nbytes: int) -> int:
         """Bytes the framework's host allocator really reserves for an :meth:`empty_host_bytes`
-        request of ``nbytes`` (what the host pool counts against its cap). The default: exactly
-        ``nbytes``."""
-        return nbytes
+        request of ``nbytes`` (what the host pool counts against its cap)."""
 
+    @abc.abstractmethod
     def empty_host_cache(self) -> None:
         """Return the host memory the framework's host allocator caches (blocks no tensor uses)
-        to the operating system. The default does nothing (no caching host allocator)."""
-        return None
+        to the operating system (nothing where it caches none)."""
 
     @abc.abstractmethod
     def copy_bytes(self, dst: Tensor, src: Tensor, dst_offset: int = 0) -> None:
@@ -268,133 +195,103 @@ class Backend(abc.ABC):
         byte ``dst_offset`` there (``src`` is a saved tensor or a byte tensor; ``dst`` a byte
         tensor with room for them: the same byte count, or a bucket's buffer) on the current
         stream, asynchronously where possible; invisible to autograd and to user dispatch modes."""
-        ...
 
     @abc.abstractmethod
     def mark_used_by(self, t: Tensor, stream: Stream) -> None:
         """Tell the allocator that ``stream`` uses ``t``: its memory must not be reused before the
         work queued on ``stream`` so far has finished (no-op without streams)."""
-        ...
 
     # ------------------------------------------------------------------ streams and events
-    def device_key(self, meta: ViewMeta) -> Hashable:
-        """The device whose streams order work on a tensor with this :meth:`view_meta` (what
-        :meth:`current_stream` and :meth:`new_copy_stream` take); ``None`` means the current
-        device. The default: ``None`` (one device per process)."""
-        return None
-
     @abc.abstractmethod
     def current_stream(self, device: Hashable = None) -> Stream:
-        """The stream compute runs on now on ``device`` (a :meth:`device_key`; ``None``: the
+        """The stream compute runs on now on ``device`` (a :attr:`SavedFacts.device`; ``None``: the
         current device); ``None`` without streams."""
-        ...
 
     @abc.abstractmethod
     def new_copy_stream(self, device: Hashable = None) -> Stream:
-        """A new stream for copies on ``device`` (a :meth:`device_key`; ``None``: the current
-        device); ``None`` without streams."""
-        ...
+        """A new stream for copies on ``device`` (a :attr:`SavedFacts.device`; ``None``: the
+        current device); ``None`` without streams."""
 
     @abc.abstractmethod
     def stream_context(self, stream: Stream) -> ContextManager[Any]:
         """Make ``stream`` current (on its device) inside the ``with`` block."""
-        ...
 
+    @abc.abstractmethod
     def record_event(self, stream: Stream) -> Event:
-        """An event marking the work queued on ``stream`` so far (``None`` without streams).
-        The default uses the stream protocol torch and MindSpore share (``stream.record_event()``)."""
-        return stream.record_event() if stream is not None else None
+        """An event marking the work queued on ``stream`` so far (``None`` without streams)."""
 
+    @abc.abstractmethod
     def wait_event(self, stream: Stream, event: Event) -> None:
-        """Work queued on ``stream`` from now on starts after ``event`` (no-op if either is None).
-        The default uses the shared stream protocol (``stream.wait_event(event)``)."""
-        if stream is not None and event is not None:
-            stream.wait_event(event)
+        """Work queued on ``stream`` from now on starts after ``event`` (no-op if either is None)."""
 
     @abc.abstractmethod
     def trace_range(self, name: str) -> ContextManager[Any]:
         """A named range in the framework's profiler trace; costs nothing unless a profiler records."""
-        ...
-
-    def tracing(self) -> bool:
-        """Whether :meth:`trace_range` may open a range now. Paths that run once per tensor skip
-        the ``with`` (a few calls) when this is false. The default: always true."""
-        return True
 
     # ------------------------------------------------------------------ random numbers
     @abc.abstractmethod
     def rng_state(self, args: Sequence[Any]) -> Any:
         """A snapshot of the generators an op on ``args`` may draw from."""
-        ...
 
     @abc.abstractmethod
     def rng_equal(self, a: Any, b: Any) -> bool:
         """Whether two :meth:`rng_state` snapshots are equal (the op drew nothing)."""
-        ...
 
     @abc.abstractmethod
     def set_rng_state(self, state: Any) -> None:
         """Restore a :meth:`rng_state` snapshot."""
-        ...
 
     # ------------------------------------------------------------------ autograd
     @abc.abstractmethod
     def grad_recording(self) -> bool:
         """Whether ops run now are recorded for a backward (only then is anything saved)."""
-        ...
 
     @abc.abstractmethod
     def in_backward(self) -> bool:
         """Whether the autograd engine runs a backward on this thread (a forward hook that fires
         then belongs to a recomputation)."""
-        ...
 
     @abc.abstractmethod
     def saved_tensors_hooks(self, pack: Callable[[Tensor], Any],
                             unpack: Callable[[Any], Tensor]) -> ContextManager[Any]:
         """Autograd's saved-tensor hooks: ``pack`` on every tensor saved inside, ``unpack`` when
         backward needs it."""
-        ...
 
     @abc.abstractmethod
     def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
-                       frame: Any, options: dict) -> Any:
-        """Run ``function`` under the framework's non-reentrant checkpoint. ``frame`` is the
-        call's ``region_state.RegionFrame``. With a ``frame.selective`` region, the forward runs
-        under a dispatch mode that calls ``region.forward_op`` for every op and the recomputation
-        under one that calls ``region.recompute_op``; both enter
-        ``region_state.RegionMarker(recompute, frame)``. Without one, only the markers. Where
-        :attr:`recompute_sessions` is true and ``frame.boxes`` is set, the forward context also
-        pushes saved-tensor hooks *inside* the checkpoint's own that wrap what the checkpoint packs:
-        ``boxes.pack(checkpoint_pack, x)`` / ``boxes.unpack(checkpoint_unpack, box)``.
-        ``options`` are the accepted :attr:`checkpoint_options`."""
-        ...
+                       context_fn: Callable[[], Tuple[Any, Any]], options: dict) -> Any:
+        """Run ``function(*args, **kwargs)`` under the framework's non-reentrant checkpoint with
+        ``context_fn`` (the ``(forward, recompute)`` context pair the engine builds:
+        ``region_state.region_contexts``). ``options`` are the accepted :attr:`checkpoint_options`."""
 
     @abc.abstractmethod
-    def dispatch_modes(self, region: Any, frame: Any = None) -> Tuple[Any, Any]:
-        """The ``(forward, recompute)`` pair of the framework's dispatch modes for a
-        ``SelectiveRegion``: they call ``region.forward_op(op, args, kwargs)`` /
-        ``region.recompute_op(op, args, kwargs)`` for every op and enter
-        ``region_state.RegionMarker(recompute, frame)`` while active."""
-        ...
+    def op_mode(self, handler: Callable[[Op, Tuple[Any, ...], dict], Any], around: ContextManager[Any]) -> Any:
+        """A dispatch mode of the framework that returns ``handler(op, args, kwargs)`` for every
+        op run while it is active, and enters ``around`` (the engine's ``RegionShell``) before it
+        becomes active and leaves it after. A mode object may be entered again once left."""
 
+    @abc.abstractmethod
+    def session_hooks(self, boxes: Any) -> ContextManager[Any]:
+        """Saved-tensor hooks pushed *inside* the checkpoint's own (this is called while the
+        checkpoint's forward context is entered) that wrap what the checkpoint packs:
+        ``boxes.pack(checkpoint_pack, x)`` / ``boxes.unpack(checkpoint_unpack, box)``. Only called
+        where :attr:`recompute_sessions` is true (elsewhere: raise)."""
+
+    @abc.abstractmethod
     def recomputed_leaf(self, t: Tensor, requires_grad: bool) -> Tensor:
         """A tensor over ``t``'s data, with no autograd history, that requires grad iff
         ``requires_grad``: what a recomputation receives in place of the output of a sub-module
         excluded from it (``checkpoint_exclude_wrapper``), so that the ops after it save what they
-        saved in forward. The default says the backend does not support exclusion."""
-        raise RuntimeError(f"checkpoint_exclude_wrapper is not supported on the {self.name} backend (PyTorch "
-                           "only); keep the sub-module's outputs with a selective policy (MUST_SAVE for its ops) instead.")
+        saved in forward. Only called where :attr:`exclusion_supported` is true (elsewhere: raise
+        a clear error)."""
 
     @abc.abstractmethod
     def compiling(self) -> bool:
         """Whether the framework's compiler is tracing the code that runs now."""
-        ...
 
     @abc.abstractmethod
     def run_eagerly(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call ``fn`` outside any compiled graph (a graph break around it while tracing)."""
-        ...
 
     @abc.abstractmethod
     def run_compiled_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
@@ -402,102 +299,81 @@ class Backend(abc.ABC):
         """Run ``function`` under the framework's own checkpoint while its compiler traces it:
         whole-region recompute without ``policy_fn``, else the framework's compiled selective
         checkpoint driven by ``policy_fn`` (our answers translated)."""
-        ...
 
     @abc.abstractmethod
     def check_checkpoint_options(self, options: dict, selective: bool) -> None:
         """Raise a clear error for an option combination the framework's checkpoint refuses."""
-        ...
 
     @abc.abstractmethod
     def check_ready(self, what: str) -> None:
         """Raise a clear error if the framework is in a mode the library cannot run in."""
-        ...
 
     # ------------------------------------------------------------------ ops and policies
     @abc.abstractmethod
     def op_kind(self, op: Op) -> OpKind:
         """How a selective region must treat ``op`` before asking any policy (cached by the caller)."""
-        ...
 
     @abc.abstractmethod
     def cannot_hand_back(self, op: Op, args: Tuple[Any, ...]) -> bool:
         """Whether a recomputation cannot return a kept output of this op call instead of running
         it (the framework's autograd would block or attach to the wrong tensor): such a call is
         recomputed whatever the policy answered, and the answer is reported."""
-        ...
 
     @abc.abstractmethod
     def op_key(self, op: Op) -> Hashable:
         """What identifies ``op`` across forward and recompute (and in a list policy)."""
-        ...
 
     @abc.abstractmethod
     def written_tensors(self, op: Op, args: Tuple[Any, ...], kwargs: dict) -> List[Tensor]:
         """The tensor arguments ``op`` writes to, declared or not (empty for ops that write nothing)."""
-        ...
 
     @abc.abstractmethod
     def op_list_entry(self, entry: Any) -> Hashable:
         """The :meth:`op_key` named by one entry of a list policy; a clear error for a bad entry."""
-        ...
 
     @abc.abstractmethod
     def convert_policy(self, value: Any) -> Any:
         """The ``CheckpointPolicy`` meant by a framework-specific policy answer (PyTorch's own
         enum), or ``None``."""
-        ...
 
     @abc.abstractmethod
     def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
         """``fn`` applied to every leaf of a nested tuple/list/dict structure."""
-        ...
 
     @abc.abstractmethod
     def tree_leaves(self, tree: Any) -> List[Any]:
         """The leaves of a nested tuple/list/dict structure."""
-        ...
 
     # ------------------------------------------------------------------ modules and hooks
     @abc.abstractmethod
     def is_module(self, x: Any) -> bool:
         """True for an ``nn.Module`` / ``nn.Cell``."""
-        ...
 
     @abc.abstractmethod
-    def module_tensors(self, module: Module) -> Iterator[Tensor]:
-        """The parameters and buffers of ``module`` and its sub-modules."""
-        ...
-
     def module_storage_ids(self, module: Module) -> Set[int]:
-        """``storage_id`` of every tensor of :meth:`module_tensors` (read on every call of a swap
-        region: a backend may answer in one call)."""
-        return {self.storage_id(t) for t in self.module_tensors(module)}
+        """:meth:`storage_id` of every parameter and buffer of ``module`` and its sub-modules (read
+        on every call of a swap region: they are never swap candidates)."""
 
     @abc.abstractmethod
     def has_buffers(self, module: Module) -> bool:
         """Whether ``module`` or a sub-module holds state that ops may update in place (buffers,
         e.g. BatchNorm's running statistics)."""
-        ...
 
     @abc.abstractmethod
     def check_region_owner(self, module: Module, selective: bool) -> None:
         """Raise a clear error if a region that intercepts ops or saved tensors cannot act inside
         ``module`` (a compiled module; with ``selective``, sharded units whose hooks differ
         between forward and recompute)."""
-        ...
 
     @abc.abstractmethod
     def register_forward_hooks(self, module: Module, pre: Callable[[Module, Any], None],
                                post: Callable[[Module, Any, Any], None]) -> List[Any]:
         """Call ``pre(module, args)`` before and ``post(module, args, output)`` after every call of
         ``module`` (``post`` also when the call raised); returns removable handles."""
-        ...
 
     @abc.abstractmethod
     def register_grad_hook(self, t: Tensor, fn: Callable[[Any], None]) -> None:
         """Call ``fn(grad)`` when the gradient of ``t`` is computed in backward."""
-        ...
 
 
 

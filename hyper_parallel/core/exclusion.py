@@ -26,71 +26,72 @@ inside a checkpoint region nested in an excluded module, it is excluded from tha
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .backend import Backend
 from .packer import SwapPacker, parameter_storages
 from .region_state import RegionFrame, region_flags
+from .replay_log import ReplayLog
 from .saved import Saved
 from .storage import Storage
 from .swap_manager import SwapManager
 
 __all__ = ["ExcludedCalls", "KeepPacker", "excluded_call"]
 
-_CONSUMED = object()
 
-
-class KeepPacker:
+class KeepPacker(SwapPacker):
     """Saved-tensor hooks that keep every saved tensor on the device, as autograd would without
     any hooks, but through a no-grad alias (a pack result holding the tensor itself would make a
     reference cycle through the graph) with autograd's in-place check."""
 
-    __slots__ = ("_b",)
+    __slots__ = ()
 
     def __init__(self, backend: Backend) -> None:
-        self._b = backend
+        super().__init__(backend, None)
 
     def pack(self, t: Any) -> Saved:
         return Saved(self._b.alias(t), self._b.version)
 
-    @staticmethod
-    def unpack(saved: Saved) -> Any:
-        return saved.get_val()
 
-    def hooks(self) -> Any:
-        return self._b.saved_tensors_hooks(self.pack, self.unpack)
+_NOT_IN_FORWARD = ("checkpoint_exclude_wrapper: {label} (excluded call #{index}) ran while recomputing a region "
+                   "but not in its forward. The region must make the same calls in forward and recompute.")
+_RELEASED = ("checkpoint_exclude_wrapper: backward ran a second time through a region whose excluded sub-module "
+             "outputs ({label}) were released by the first backward. Backward through it only once per forward, "
+             "or run the halves of a split backward in one RecomputeSession.")
 
 
-class ExcludedCalls:
+class ExcludedCalls(ReplayLog):
     """The excluded calls of one region's forward, in order: kept outputs (with whether each
     required grad) and the random-number state after the call (``None`` if it drew nothing)."""
 
-    def __init__(self) -> None:
-        self._calls: List[Any] = []
-        self._next = 0
+    __slots__ = ()
 
     def record(self, kept: Any, rng_after: Any) -> None:
-        self._calls.append((kept, rng_after))
-
-    def start_replay(self) -> None:
-        self._next = 0
+        self.kept.append((kept, rng_after))
 
     def take(self, label: str) -> Tuple[Any, Any]:
         """The record of the next excluded call of this recomputation; released here."""
-        index = self._next
-        self._next += 1
-        if index >= len(self._calls):
-            raise RuntimeError(
-                f"checkpoint_exclude_wrapper: {label} (excluded call #{index}) ran while recomputing a region "
-                "but not in its forward. The region must make the same calls in forward and recompute.")
-        record = self._calls[index]
-        if record is _CONSUMED:
-            raise RuntimeError(
-                "checkpoint_exclude_wrapper: backward ran a second time through a region whose excluded "
-                f"sub-module outputs ({label}) were released by the first backward. Backward through it only "
-                "once per forward, or run the halves of a split backward in one RecomputeSession.")
-        self._calls[index] = _CONSUMED
+        index = self.next(label, _NOT_IN_FORWARD, _RELEASED)
+        record = self.kept[index]
+        self.consume(index)
         return record
+
+
+@contextlib.contextmanager
+def _beside_the_region(frame: RegionFrame, excluding: bool) -> Iterator[None]:
+    """The region's selective policy stands aside inside (its ops are neither asked about nor
+    logged: ``suspended``); ``excluding``: an excluded sub-module's forward is what runs."""
+    selective = frame.selective
+    frame.excluding += excluding
+    if selective is not None:
+        selective.suspended += 1
+    try:
+        yield
+    finally:
+        frame.excluding -= excluding
+        if selective is not None:
+            selective.suspended -= 1
 
 
 def _tensor_versions(b: Backend, tree: Any) -> List[Tuple[Any, int]]:
@@ -115,19 +116,10 @@ def _record(b: Backend, frame: RegionFrame, function: Callable[..., Any], args: 
     inputs = _tensor_versions(b, (args, kwargs))
     rng_before = b.rng_state(args) if b.rng_replayable else None
     storage: Optional[Storage] = SwapManager().new_storage() if swap else None
-    packer: Any = (SwapPacker(b, storage, None, parameter_storages(b, owner)) if storage is not None
-                   else KeepPacker(b))
-    selective = frame.selective
-    frame.excluding += 1
-    if selective is not None:
-        selective.suspended += 1
-    try:
-        with packer.hooks():
-            out = function(*args, **kwargs)
-    finally:
-        frame.excluding -= 1
-        if selective is not None:
-            selective.suspended -= 1
+    param_ids = parameter_storages(b, owner) if storage is not None else set()
+    packer: Any = SwapPacker(b, storage, None, param_ids) if storage is not None else KeepPacker(b)
+    with _beside_the_region(frame, excluding=True), packer.hooks():
+        out = function(*args, **kwargs)
     for t, version in inputs:
         if b.version(t) != version:
             raise RuntimeError(
@@ -143,15 +135,8 @@ def _record(b: Backend, frame: RegionFrame, function: Callable[..., Any], args: 
     def keep(x: Any) -> Any:
         if not b.is_tensor(x):
             return x
-        alias = b.alias(x)
-        requires_grad = b.requires_grad(x)
-        if storage is None:
-            return _Leaf(Saved(alias, b.version), requires_grad)
-        reason = b.unswappable_reason(alias)
-        if reason is not None:
-            storage.add_kept(alias, reason)
-            return _Leaf(Saved(alias, b.version), requires_grad)
-        return _Leaf(storage.add_swap(alias), requires_grad)
+        handle = Saved(b.alias(x), b.version) if storage is None else storage.add(b.saved_facts(x, param_ids))
+        return _Leaf(handle, b.requires_grad(x))
 
     if frame.excluded is None:
         frame.excluded = ExcludedCalls()
@@ -179,14 +164,8 @@ def _replay(b: Backend, frame: RegionFrame, label: str) -> Any:
             return b.recomputed_leaf(b.hand_back(x.handle.get_val()), x.requires_grad)
         return x
 
-    selective = frame.selective
-    if selective is not None:
-        selective.suspended += 1  # rebuilding a reloaded view runs ops: not the region's
-    try:
+    with _beside_the_region(frame, excluding=False):  # rebuilding a reloaded view runs ops: not the region's
         value = b.tree_map(give, kept)
-    finally:
-        if selective is not None:
-            selective.suspended -= 1
     if rng_after is not None:
         b.set_rng_state(rng_after)
     return value

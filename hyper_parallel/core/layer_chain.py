@@ -14,28 +14,45 @@ do nothing while a checkpointed region is being recomputed.
 
 Where copies are synchronous (no copy stream: a CPU build) and the prefetch budget is the default
 ``0``, nothing is gained by overlapping, so the schedule follows memory instead, as
-``save_on_cpu`` does: during a layer's forward, each time ``EARLY_OFFLOAD_CHUNK`` more bytes were
-saved (and between the ops of a selective region: ``Storage.offload_dropped``), the saved tensors
-that the forward has already dropped are offloaded (and waited) at once;
-at the layer's end the rest is offloaded and waited (the last layer's too), in one call
-(``SwapManager._offload_at_once``), and the retry of the predecessor's skipped input is waited at
-once too; in backward no load is launched: each offloaded tensor is loaded when autograd unpacks it
-(``SwapTensor.load_on_use``) and freed once its node has run. The state machine and its states are
-the same; each launch and its wait are one call there (``SwapGroup.offload_synchronously``,
-``SwapTensor.load_synchronously``).
+``save_on_cpu`` does: a forward marks its layer's group ``follows_memory``, so during the forward,
+each time ``storage.EARLY_OFFLOAD_CHUNK`` more bytes were saved (and between the ops of a selective
+region: ``Storage.offload_dropped``), the saved tensors that the forward has already dropped are
+offloaded and waited at once; at the layer's end the rest is offloaded and waited (the last
+layer's too), and so is the retry of the predecessor's skipped input; in backward no load is
+launched: each offloaded tensor is loaded when autograd unpacks it (``SwapGroup.load_now``) and
+freed once its node has run. The launches, waits and states are the same everywhere.
+
+The chain reaches its manager only through :class:`ChainManager`.
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Protocol
 
-__all__ = ["LayerChain", "EARLY_OFFLOAD_CHUNK"]
+__all__ = ["LayerChain", "ChainManager"]
 
-#: Where copies are synchronous, a chained layer's dropped saved tensors are offloaded during its
-#: forward each time this many more bytes were saved (see ``LayerChain.forward_start``).
-EARLY_OFFLOAD_CHUNK = 1 << 20
+
+class ChainManager(Protocol):
+    """What the layer chain uses of its manager (``SwapManager``, where each is documented): its
+    backend and lock, the public schedule calls, and three calls of the package's schedules,
+    ``chain_group`` (a chained layer's group), ``switch_group`` (make a group current, returning
+    the previous name) and ``retry_offload`` (the second try of what a launch skipped as held
+    elsewhere). The chain calls them with the lock held."""
+
+    backend: Any
+    lock: Any
+
+    def chain_group(self, group_name: str) -> Any: ...
+    def switch_group(self, group_name: Optional[str]) -> Optional[str]: ...
+    def retry_offload(self, group_name: str) -> None: ...
+    def copies_overlap(self) -> bool: ...
+    def prefetch_budget(self) -> Optional[int]: ...
+    def launch_offload(self, group_name: str) -> None: ...
+    def wait_offload(self, group_name: str) -> None: ...
+    def launch_load(self, group_name: str, *, storages: Any = None, limit_bytes: Optional[int] = None) -> None: ...
+    def wait_load(self, group_name: str) -> None: ...
 
 
 class _Forward:
@@ -50,7 +67,7 @@ class _Forward:
         # backward-use order, the reverse); a plain list is cheaper to make than a WeakSet.
         self._refs: List[weakref.ref] = []
         self.prev = weakref.ref(prev) if prev is not None else None
-        #: ``SwapManager._waits_offload_at_once()`` when the forward started (asked once per call)
+        #: ``LayerChain.follows_memory()`` when the forward started (asked once per call)
         self.at_once = at_once
 
     def add(self, storage: Any) -> None:
@@ -63,10 +80,11 @@ class _Forward:
 
 
 class _Link:
-    __slots__ = ("name", "prev", "next", "saved_group_names", "handles", "hooks", "forwards", "last_forward")
+    __slots__ = ("name", "group", "prev", "next", "saved_group_names", "handles", "hooks", "forwards", "last_forward")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, group: Any) -> None:
         self.name = name
+        self.group = group  # its SwapGroup: a chain's group lives as long as the chain
         self.prev: Optional[weakref.ref] = None
         self.next: Optional[weakref.ref] = None
         self.saved_group_names: List[Optional[str]] = []
@@ -145,10 +163,24 @@ def _inert() -> Any:
 class LayerChain:
     """Layer order and the hooks that drive a :class:`SwapManager` from it."""
 
-    def __init__(self, manager: Any) -> None:
+    def __init__(self, manager: ChainManager) -> None:
         self._m = manager
         self._links: "weakref.WeakKeyDictionary[Any, _Link]" = weakref.WeakKeyDictionary()
         self._count = 0
+        # The records of the chained layer forwards running now (innermost last): a storage made
+        # while one runs belongs to that forward.
+        self._running: List[_Forward] = []
+
+    def storage_made(self, storage: Any) -> None:
+        """A region made ``storage`` (``SwapManager.new_storage``): it belongs to the innermost
+        chained forward running now, if any."""
+        if self._running:
+            self._running[-1].add(storage)
+
+    def follows_memory(self) -> bool:
+        """Whether a forward starting now follows memory (see the module docstring): copies are
+        synchronous and the prefetch budget loads on demand."""
+        return not self._m.copies_overlap() and self._m.prefetch_budget() == 0
 
     def group_name(self, layer: Any) -> Optional[str]:
         link = self._links.get(layer)
@@ -158,15 +190,19 @@ class LayerChain:
         """Whether a live chained layer has the group ``group_name``."""
         return any(link.name == group_name for link in self._links.values())
 
+    def _new_link(self, layer: Any) -> _Link:
+        """A link (and its group) for ``layer``, not chained to any other yet."""
+        name = f"layer_{self._count}"
+        self._count += 1
+        link = self._links[layer] = _Link(name, self._m.chain_group(name))
+        return link
+
     def _link_of(self, layer: Any) -> _Link:
         link = self._links.get(layer)
         if link is None:
-            link = _Link(f"layer_{self._count}")
-            self._count += 1
-            self._m._group(link.name, create=True, persistent=True)
+            link = self._new_link(layer)
             link.hooks = [_ChainHook(self, False, layer), _ChainHook(self, True, layer)]
             link.handles = self._m.backend.register_forward_hooks(layer, link.hooks[0], link.hooks[1])
-            self._links[layer] = link
         return link
 
     @staticmethod
@@ -211,6 +247,7 @@ class LayerChain:
                 hook.active = False
         self._links = weakref.WeakKeyDictionary()
         self._count = 0
+        self._running = []
 
     # ------------------------------------------------------------------ copies
     def _adopt_copy(self, original: Any, copy: Any, memo: dict, hook: _ChainHook) -> None:
@@ -218,12 +255,7 @@ class LayerChain:
         link of its own (its hooks are the copied ones) and link it to the copies of
         ``original``'s neighbours that were already adopted. Whichever of two neighbours is
         copied second makes the link, so a whole copied stack ends up chained like the original."""
-        link = self._links.get(copy)
-        if link is None:
-            link = _Link(f"layer_{self._count}")
-            self._count += 1
-            self._m._group(link.name, create=True, persistent=True)
-            self._links[copy] = link
+        link = self._links.get(copy) or self._new_link(copy)
         link.hooks.append(hook)
         olink = self._links.get(original)
         if olink is None:
@@ -265,31 +297,25 @@ class LayerChain:
                 f"{type(layer).__name__} runs the layer-chain hooks of another layer but is not chained "
                 "itself (a copy.copy of a chained layer shares its hooks). Use copy.deepcopy (the copy gets "
                 "its own chain), or chain the copied layers with wrap_layers / set_forward_prefetch_layer.")
-        link.saved_group_names.append(self._m._current_group_name)
-        self._m._switch_group(link.name)
-        group = self._m._group(link.name)
-        at_once = self._m._waits_offload_at_once()
-        if at_once:
-            # Copies are synchronous: what the layer saved and the forward has dropped goes to the
-            # host as the layer runs (checked once per EARLY_OFFLOAD_CHUNK saved bytes, so that
-            # layers of small tensors pay nothing), which bounds the forward like save_on_cpu.
-            group.on_saved, group.early_chunk = self._m._offload_dead, EARLY_OFFLOAD_CHUNK
-            group.load_on_use = group.load_now
-        else:
-            group.on_saved = group.load_on_use = None
+        link.saved_group_names.append(self._m.switch_group(link.name))
+        # Where copies are synchronous, what the layer saved and the forward has dropped goes to
+        # the host as the layer runs (looked for once per storage.EARLY_OFFLOAD_CHUNK saved bytes,
+        # so that layers of small tensors pay nothing), which bounds the forward like save_on_cpu.
+        at_once = self.follows_memory()
+        link.group.follows_memory = at_once
         prev = self._alive(link.prev)
         fed_by = self._links[prev].last_forward if prev is not None and prev in self._links else None
         record = _Forward(fed_by, at_once)
         link.forwards.append(record)
-        self._m._forward_records.append(record)
+        self._running.append(record)
 
     def forward_end(self, layer: Any, failed: bool) -> bool:
         """Returns whether the backward-start hook should be armed on the outputs."""
         link = self._links.get(layer)
         if link is None or not link.saved_group_names:
             return False  # our pre-hook never ran (an earlier pre-hook raised): nothing to undo
-        self._m._switch_group(link.saved_group_names.pop())
-        self._m._forward_records.pop()
+        self._m.switch_group(link.saved_group_names.pop())
+        self._running.pop()
         record = link.forwards.pop()
         if failed:
             return False
@@ -299,14 +325,15 @@ class LayerChain:
             # Copies are synchronous (no copy stream): waiting now loses no overlap and frees this
             # layer's device memory one layer earlier; for the same reason the last layer is
             # offloaded too (its backward loads each tensor when used), so the head's forward and
-            # backward do not run next to it. The launch and its wait are one call.
-            self._m._offload_at_once(link.name)
+            # backward do not run next to it.
+            self._m.launch_offload(link.name)
+            self._m.wait_offload(link.name)
         elif has_next:
             self._m.launch_offload(link.name)
         prev = link.prev() if link.prev is not None else None
         if prev is not None:
             prev_link = self._links[prev]
-            prev_group = self._m._group(prev_link.name)
+            prev_group = prev_link.group
             if prev_group.offload_pending:
                 self._m.wait_offload(prev_group.name)
             # When the predecessor's offload was launched, the caller still held its input (the
@@ -315,10 +342,12 @@ class LayerChain:
             # after the last layer, where nothing would wait for it before backward), or at once
             # where copies are synchronous.
             if has_next and prev_group.has_retryable():
-                self._m._retry_offload(prev_group.name, record.at_once)
+                self._m.retry_offload(prev_group.name)
+                if record.at_once:
+                    self._m.wait_offload(prev_group.name)
             before = prev_link.prev() if prev_link.prev is not None else None
             if before is not None:
-                before_group = self._m._group(self._links[before].name)
+                before_group = self._links[before].group
                 if before_group.offload_pending:
                     self._m.wait_offload(before_group.name)
         return True
@@ -331,18 +360,18 @@ class LayerChain:
         link = self._links.get(layer)
         if link is None:  # the chain was reset while a graph was alive
             return
-        own = self._m._group(link.name)
-        if own.load_on_use is None:  # (else each tensor is loaded when backward uses it)
+        own = link.group
+        if not own.follows_memory:  # (else each tensor is loaded when backward uses it)
             mine = forward.live() if forward is not None else None
             if own.pending_load_bytes(mine):
                 self._m.launch_load(link.name, storages=mine)
         prev = self._alive(link.prev)
         fed_by = forward.prev() if forward is not None and forward.prev is not None else None
         if prev is not None and (forward is None or fed_by is not None):
-            prev_name = self._links[prev].name
+            prev_group = self._links[prev].group
             budget = self._m.prefetch_budget()
             theirs = fed_by.live() if fed_by is not None and budget != 0 else None
-            if budget != 0 and self._m._group(prev_name).pending_load_bytes(theirs):
-                self._m.launch_load(prev_name, storages=theirs, limit_bytes=budget)
+            if budget != 0 and prev_group.pending_load_bytes(theirs):
+                self._m.launch_load(prev_group.name, storages=theirs, limit_bytes=budget)
         if own.load_pending:
             self._m.wait_load(link.name)

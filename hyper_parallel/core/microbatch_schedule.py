@@ -200,11 +200,15 @@ class MicrobatchSwapSchedule:
             self._wait_offload(mb)
 
     def _wait_offload(self, mb: int) -> None:
-        if self._state.get(mb) != _OFFLOADING:
+        self._wait(mb, _OFFLOADING, self.manager.wait_offload, _HOST)
+
+    def _wait(self, mb: int, launched: str, wait: Any, done: str) -> None:
+        """Wait what ``mb``'s state says was ``launched``; its state is ``done`` after."""
+        if self._state.get(mb) != launched:
             return
         if self._exists(mb):  # (gone only if somebody reset the manager meanwhile)
-            self.manager.wait_offload(self.group_name(mb))
-        self._state[mb] = _HOST
+            wait(self.group_name(mb))
+        self._state[mb] = done
 
     def _launch_load(self, mb: int) -> None:
         state = self._state.get(mb)
@@ -220,11 +224,7 @@ class MicrobatchSwapSchedule:
         self.loads += 1
 
     def _wait_load(self, mb: int) -> None:
-        if self._state.get(mb) != _LOADING:
-            return
-        if self._exists(mb):
-            self.manager.wait_load(self.group_name(mb))
-        self._state[mb] = _DEVICE
+        self._wait(mb, _LOADING, self.manager.wait_load, _DEVICE)
 
     def _flush_deferred(self) -> None:
         """A forward starts: launch the offload deferred since the previous forward ended."""

@@ -9,7 +9,6 @@ from typing import Any, Callable, Optional, Set
 from .backend import Backend
 from .keep_reason import KeepReason
 from .policy import Decision, normalize_swap_policy
-from .saved import Saved
 from .storage import Storage
 
 __all__ = ["SwapPacker", "parameter_storages"]
@@ -36,7 +35,7 @@ class SwapPacker:
 
     __slots__ = ("_b", "storage", "policy_fn", "param_ids")
 
-    def __init__(self, backend: Backend, storage: Storage,
+    def __init__(self, backend: Backend, storage: Optional[Storage],
                  policy_fn: Optional[Callable[[Any], Any]] = None, param_ids: Optional[Set[int]] = None) -> None:
         self._b = backend
         self.storage = storage
@@ -47,13 +46,9 @@ class SwapPacker:
         # Called for every tensor autograd saves: one backend call answers every question (why it
         # stays, or what a swap candidate needs).
         facts = self._b.saved_facts(t, self.param_ids)
-        reason = facts.reason
-        if reason is None:
-            if self.policy_fn is None or self._policy_swaps(t):
-                return self.storage.add_candidate(facts)
-            reason = KeepReason.POLICY_SAVE
-        self.storage.add_save(facts.nbytes, reason)
-        return Saved(facts.alias, self._b.version, saved_version=facts.version)
+        if facts.reason is None and self.policy_fn is not None and not self._policy_swaps(t):
+            return self.storage.add(facts, KeepReason.POLICY_SAVE)
+        return self.storage.add(facts)
 
     def _policy_swaps(self, t: Any) -> bool:
         """Whether ``policy_fn(t)`` lets a swap candidate go (anything but a SAVE answer)."""

@@ -11,7 +11,7 @@ from .backend import Backend, active_backend
 from .packer import SwapPacker, parameter_storages
 from .policy import as_policy_fn
 from .recompute_session import SessionBoxes
-from .region_state import RegionFrame, region_flags
+from .region_state import RegionFrame, region_contexts, region_flags
 from .selective import SelectiveRegion
 from .storage import Storage
 from .swap_manager import SwapManager
@@ -134,7 +134,8 @@ def checkpoint(function: Callable[..., Any], *args: Any, policy_fn: Any = None, 
         hooks = SwapPacker(b, storage_factory(), None, parameter_storages(b, owner)).hooks()
     try:
         with hooks:
-            return watch.finish(b.run_checkpoint(function, args, kwargs, frame, options), frame)
+            return watch.finish(b.run_checkpoint(function, args, kwargs, lambda: region_contexts(b, frame, region),
+                                                 options), frame)
     except Exception as err:
         if region is not None and region.policy_error is not None and region.policy_error is not err:
             raise region.policy_error from None  # an operator (a @ b) replaced it by its own message
@@ -188,4 +189,4 @@ def create_selective_checkpoint_contexts(policy_fn_or_list: Any, allow_cache_ent
     policy = check_policy_fn(b, policy_fn_or_list)
     if policy is None:
         raise TypeError("create_selective_checkpoint_contexts needs a policy function or a list of ops, got None.")
-    return b.dispatch_modes(SelectiveRegion(b, policy, _LazyStorage(), allow_cache_entry_mutation))
+    return region_contexts(b, None, SelectiveRegion(b, policy, _LazyStorage(), allow_cache_entry_mutation))

@@ -16,6 +16,7 @@ from typing import Any, Callable, DefaultDict, Dict, Hashable, List, Optional, S
 from .backend import Backend, OpKind
 from .policy import (CheckpointPolicy, Decision, SelectiveCheckpointContext, collective_decision,
                      normalize_policy)
+from .replay_log import ReplayLog
 from .saved import Saved
 from .storage import Storage
 from .swap_tensor import SwapView
@@ -34,19 +35,27 @@ class _Marker:
 
 
 RECOMPUTE = _Marker("RECOMPUTE")  # nothing kept: the op runs again
-_CONSUMED = _Marker("CONSUMED")   # kept value handed to backward and released
+
+_NOT_IN_FORWARD = (
+    "selective checkpoint: op {label} (call #{index}) ran during recomputation but not in forward. The region "
+    "must run the same ops in forward and recompute; check for control flow that depends on global state or "
+    "on tensor values that changed.")
+_RELEASED = (
+    "selective checkpoint: backward ran a second time through a region whose saved/swapped op outputs were "
+    "released by the first backward. Backward through a selectively checkpointed region only once per forward "
+    "(retain_graph=True cannot reuse them); a backward split in halves (zero-bubble pipeline schedules: "
+    "stage_backward_input then stage_backward_weight) must run its halves in one RecomputeSession "
+    "(pipeline_swap and pipeline_recompute do that for torch.distributed.pipelining schedules).")
 
 
-class _Calls:
-    """The forward calls of one op key, in order: decision and kept value, and how many of them
-    the current replay has reached."""
+class _Calls(ReplayLog):
+    """The forward calls of one op key, in order: kept value (``kept``) and decision."""
 
-    __slots__ = ("kept", "decisions", "replayed")
+    __slots__ = ("decisions",)
 
     def __init__(self) -> None:
-        self.kept: List[Any] = []
+        super().__init__()
         self.decisions: List[Decision] = []
-        self.replayed = 0
 
 
 class OpLog:
@@ -89,24 +98,9 @@ class OpLog:
         calls = self._calls.get(key)
         if calls is None:  # (never ran in forward: counted all the same, for the error below)
             calls = self._calls[key] = _Calls()
-        index = calls.replayed
-        calls.replayed += 1
-        if index >= len(calls.kept):
-            raise RuntimeError(
-                f"selective checkpoint: op {op_label} (call #{index}) ran during recomputation but not in "
-                "forward. The region must run the same ops in forward and recompute; check for "
-                "control flow that depends on global state or on tensor values that changed.")
-        kept = calls.kept[index]
-        if kept is _CONSUMED:
-            raise RuntimeError(
-                "selective checkpoint: backward ran a second time through a region whose saved/swapped "
-                "op outputs were released by the first backward. Backward through a selectively "
-                "checkpointed region only once per forward (retain_graph=True cannot reuse them); a "
-                "backward split in halves (zero-bubble pipeline schedules: stage_backward_input then "
-                "stage_backward_weight) must run its halves in one RecomputeSession (pipeline_swap and "
-                "pipeline_recompute do that for torch.distributed.pipelining schedules).")
+        index = calls.next(op_label, _NOT_IN_FORWARD, _RELEASED)
         ask = not self._unasked or (key, index) not in self._unasked
-        return index, kept, ask, calls
+        return index, calls.kept[index], ask, calls
 
     @staticmethod
     def check(calls: Any, index: int, decision: Decision, op_label: Any) -> None:
@@ -121,7 +115,7 @@ class OpLog:
     @staticmethod
     def consume(calls: Any, index: int) -> None:
         """Backward has the kept value: release it (device memory goes as soon as it can)."""
-        calls.kept[index] = _CONSUMED
+        calls.consume(index)
 
 
 class SelectiveRegion:
@@ -164,7 +158,7 @@ class SelectiveRegion:
         self.allow_mutation = allow_cache_entry_mutation
         self.log = OpLog()
         self._storage_factory = storage_factory
-        self._swap_storage: Optional[Any] = None  # the storage MUST_SWAP outputs went to, once there is one
+        self._swap_storage: Optional[Any] = None  # the storage MUST_SWAP outputs go to, once there is one
         self._kinds: Dict[int, Tuple[Any, OpKind]] = {}  # id(op) -> (op, its kind)
         # storage id -> (op key, index) of kept outputs viewing it: an in-place op on one of them
         # later in the forward destroys the value that was kept (see ``_forget_mutated``).
@@ -364,17 +358,10 @@ class SelectiveRegion:
         return x
 
     def _swap(self, x: Any) -> Any:
-        b = self._b
-        if not b.is_tensor(x):
+        if not self._b.is_tensor(x):
             return x
-        alias = b.alias(x)
-        reason = b.unswappable_reason(alias)
-        if reason is not None:
-            storage = self._storage_factory()
-            storage.add_kept(alias, reason)
-            return Saved(alias, b.version, check=not self.allow_mutation)
         storage = self._swap_storage = self._storage_factory()
-        return storage.add_swap(alias)
+        return storage.add(self._b.saved_facts(x, ()), check=not self.allow_mutation)
 
     def _take(self, x: Any) -> Any:
         if isinstance(x, (Saved, SwapView)):

@@ -1,69 +1,71 @@
-"""Everything one region saved in one forward."""
+"""``Storage``: everything one region saved in one forward."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
-from .backend import Backend, SavedFacts
+from .backend import SavedFacts
 from .keep_reason import KeepReason
-
+from .saved import Saved
 from .swap_tensor import SwapTensor, SwapView
 
-__all__ = ["Storage"]
+__all__ = ["Storage", "EARLY_OFFLOAD_CHUNK"]
+
+#: Where a group follows memory (``SwapGroup.follows_memory``), a storage offloads what the forward
+#: has dropped each time this many more bytes were saved into it (or are still held by the forward).
+EARLY_OFFLOAD_CHUNK = 1 << 20
 
 
 class Storage:
-    """The tensors one region (a wrapped module or function call) saved in one forward.
+    """What one region (a wrapped module or function call) saved in one forward, in its group.
 
-    SWAP entries are :class:`SwapTensor` s, deduplicated by device storage so that aliases are
-    copied once and reload as aliases. SAVE entries stay wherever autograd (or the selective
-    checkpoint cache) keeps them; the storage only counts their bytes, for ``stats()``.
+    Each saved tensor gets a handle that autograd (or the selective region) keeps in its place
+    (:meth:`add`): a swap candidate joins the :class:`SwapTensor` of the device storage it views
+    (one per storage: aliases are copied once and reload as aliases) and is read back through a
+    :class:`SwapView`; a tensor that stays on the device is kept by a :class:`Saved`, its bytes
+    counted for ``stats()``.
 
-    A ``Storage`` is referenced by the handles that autograd keeps for the region; its group holds
-    it weakly, so it disappears with the region's autograd graph.
+    A ``Storage`` is referenced by the handles autograd keeps for the region; its group holds it
+    weakly, so it disappears with the region's autograd graph.
     """
 
-    def __init__(self, backend: Backend, pool: Any, group_name: str, stats: Any) -> None:
-        self._b = backend
-        self._pool = pool
-        self.group_name = group_name
-        self._stats = stats
-        # Lookup for deduplication: only a storage still on the device can take more aliases.
-        # A key may be reused by a new storage once the old one was offloaded (its memory freed),
-        # so every SwapTensor ever created is also kept in ``swap_storage`` for the group to move.
+    def __init__(self, group: Any) -> None:
+        #: the ``SwapGroup`` it was made in (its tensors say this group's name in errors)
+        self.group = group
+        self._b = group.backend
+        #: every :class:`SwapTensor` made here, in the order they were saved (read it, do not change it)
+        self.swap_tensors: List[SwapTensor] = []
+        # Lookup for deduplication: only a storage still on the device can take more aliases. A key
+        # may be reused by a new storage once the old one was offloaded (its memory freed), which
+        # is why ``swap_tensors`` keeps every SwapTensor ever made.
         self._on_device: Dict[int, SwapTensor] = {}
-        self.swap_storage: List[SwapTensor] = []
         self.save_bytes = 0
-        # Early offload (the layer chain where copies are synchronous): called with this storage
-        # each time ``early_chunk`` more bytes were saved, to offload what only the swap system
-        # still holds, as save_on_cpu would have, instead of keeping it to the end of the layer.
-        self.on_saved: Optional[Callable[["Storage"], None]] = None
-        self.early_chunk = 0
-        self._unscanned_bytes = 0  # saved since the last look
+        self._unscanned_bytes = 0  # saved since the last look for dropped tensors
         self._held_bytes = 0       # still held by the forward at the last look
 
-    def add_swap(self, alias: Any) -> SwapView:
-        """Register a tensor to be swapped (an alias of it: see ``Backend.alias``); returns the
-        handle to read it back with."""
-        b = self._b
-        return self.add_candidate(b.candidate_facts(alias, b.version(alias), b.storage_id(alias),
-                                                    b.storage_nbytes(alias)))
-
-    def add_candidate(self, facts: SavedFacts) -> SwapView:
-        """:meth:`add_swap` of a tensor already described by ``Backend.saved_facts``."""
-        key = facts.key
-        st = self._on_device.get(key)
+    def add(self, facts: SavedFacts, reason: Optional[KeepReason] = None,
+            check: bool = True) -> Union[SwapView, Saved]:
+        """The handle to keep in place of one saved tensor, described by ``Backend.saved_facts``:
+        a :class:`SwapView` when it is a swap candidate (no ``facts.reason``, and no ``reason`` to
+        keep it, e.g. a policy's SAVE), else a :class:`Saved` that keeps it on the device as it is
+        (with autograd's in-place check unless ``check`` is false)."""
+        reason = reason or facts.reason
+        if reason is not None:
+            self.save_bytes += facts.nbytes
+            self.group.stats.kept_bytes[reason] += facts.nbytes  # (GroupStats.keep of a count that only grows)
+            return Saved(facts.alias, self._b.version, check, facts.version)
+        st = self._on_device.get(facts.key)
         if st is not None and st.unmoved:
             return SwapView(st, st.add_alias(facts), self)
-        st = SwapTensor(self._b, self._pool, self.group_name, facts)
-        self._on_device[key] = st
-        self.swap_storage.append(st)
+        st = SwapTensor(self.group, facts)
+        self._on_device[facts.key] = st
+        self.swap_tensors.append(st)
         view = SwapView(st, 0, self)
-        if self.on_saved is not None:
+        if self.group.follows_memory:
             self._unscanned_bytes += st.nbytes
-            if self._unscanned_bytes >= self.early_chunk:
+            if self._unscanned_bytes >= EARLY_OFFLOAD_CHUNK:
                 self._unscanned_bytes = 0  # held tensors are looked at again one chunk later
-                self.on_saved(self)
+                self.group.offload_dropped(self)
         return view
 
     def dropped(self) -> List[SwapTensor]:
@@ -71,7 +73,7 @@ class Storage:
         offloading them now frees their memory. Notes the bytes the forward still holds."""
         out: List[SwapTensor] = []
         held = 0
-        for t in self.swap_storage:
+        for t in self.swap_tensors:
             if t.unmoved:
                 if t.held_elsewhere():
                     held += t.nbytes
@@ -82,27 +84,11 @@ class Storage:
 
     def offload_dropped(self) -> None:
         """Called by a selective region between two ops of its forward (outputs the forward has
-        just let go of are dropped there): with early offload on, and at least ``early_chunk``
-        bytes saved or still held, offload what was dropped (``on_saved``)."""
-        if self.on_saved is not None and self._held_bytes + self._unscanned_bytes >= self.early_chunk:
+        just let go of are dropped there): where the group follows memory and at least
+        :data:`EARLY_OFFLOAD_CHUNK` bytes were saved or are still held, offload what was dropped."""
+        if self.group.follows_memory and self._held_bytes + self._unscanned_bytes >= EARLY_OFFLOAD_CHUNK:
             self._unscanned_bytes = 0
-            self.on_saved(self)
-
-    def add_save(self, nbytes: int, reason: KeepReason) -> None:
-        """Count bytes (``>= 0``) that stay on the device (a SAVE decision, a parameter...)."""
-        self.save_bytes += nbytes
-        self._stats.kept_bytes[reason] += nbytes  # (GroupStats.keep of a count that only grows)
-
-    def add_kept(self, tensor: Any, reason: KeepReason) -> None:
-        """Count the storage of ``tensor``, kept on the device for ``reason`` (nothing for a
-        tensor type whose storage cannot be measured)."""
-        self.add_save(0 if reason is KeepReason.UNSUPPORTED_TENSOR else self._b.storage_nbytes(tensor), reason)
-
-    def swap_tensors(self) -> List[SwapTensor]:
-        """Every :class:`SwapTensor` of this storage, in the order they were saved (the list
-        itself: read it, do not change it)."""
-        return self.swap_storage
+            self.group.offload_dropped(self)
 
     def __repr__(self) -> str:
-        return (f"Storage(group={self.group_name!r}, swap={len(self.swap_storage)}, "
-                f"save_bytes={self.save_bytes})")
+        return f"Storage(group={self.group.name!r}, swap={len(self.swap_tensors)}, save_bytes={self.save_bytes})"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from collections import defaultdict
@@ -16,17 +15,16 @@ from .swap_tensor import SwapTensor, TensorState
 __all__ = ["SwapGroup", "GroupStats"]
 
 
-def _no_copy_stream(device: Any) -> None:
-    """``copy_streams`` of a backend without streams."""
-    return None
-
-
 def _by_device(tensors: List[SwapTensor]) -> Dict[Any, List[SwapTensor]]:
     """``tensors`` grouped by their device, in order (streams and events are per device)."""
     out: Dict[Any, List[SwapTensor]] = {}
     for t in tensors:
         out.setdefault(t.device, []).append(t)
     return out
+
+
+#: The counters of a group that add up (``GroupStats.merge``), besides ``kept_bytes``.
+_COUNTERS = ("offloaded_bytes", "loaded_bytes", "wait_offload_s", "wait_load_s", "offload_launches", "load_launches")
 
 
 class GroupStats:
@@ -37,8 +35,7 @@ class GroupStats:
     include the time the device stream stalls for a copy (measure that in a profiler trace: the
     ``hyper_parallel.wait_*`` ranges against the ``Memcpy`` kernels)."""
 
-    __slots__ = ("offloaded_bytes", "loaded_bytes", "kept_bytes", "wait_offload_s", "wait_load_s",
-                 "offload_launches", "load_launches")
+    __slots__ = _COUNTERS + ("kept_bytes",)
 
     def __init__(self) -> None:
         self.offloaded_bytes = 0
@@ -56,22 +53,36 @@ class GroupStats:
 
     def merge(self, other: "GroupStats") -> None:
         """Add ``other``'s counters to these (statistics of retired groups are folded together)."""
-        for name in ("offloaded_bytes", "loaded_bytes", "wait_offload_s", "wait_load_s", "offload_launches",
-                     "load_launches"):
+        for name in _COUNTERS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for reason, nbytes in other.kept_bytes.items():
             self.keep(reason, nbytes)
 
     def as_dict(self) -> Dict[str, Any]:
-        return {
-            "offloaded_bytes": self.offloaded_bytes,
-            "loaded_bytes": self.loaded_bytes,
-            "kept_bytes": dict(self.kept_bytes),
-            "wait_offload_s": self.wait_offload_s,
-            "wait_load_s": self.wait_load_s,
-            "offload_launches": self.offload_launches,
-            "load_launches": self.load_launches,
-        }
+        out: Dict[str, Any] = {name: getattr(self, name) for name in _COUNTERS}
+        out["kept_bytes"] = dict(self.kept_bytes)
+        return out
+
+
+class _InFlight:
+    """The copies of one direction (D2H or H2D) issued since they were last waited: the tensors,
+    and per device and launch the event recorded after their copies. ``pending``: a launch
+    happened since the last wait (what the wait checks; also true for a launch that found nothing
+    to copy)."""
+
+    __slots__ = ("tensors", "events", "pending")
+
+    def __init__(self) -> None:
+        # Strong references: a tensor whose region died in flight is still waited, then freed
+        # (``SwapGroup.forget_in_flight`` drops them when nothing will wait).
+        self.tensors: List[SwapTensor] = []
+        self.events: List[Any] = []
+        self.pending = False
+
+    def clear(self) -> None:
+        self.tensors.clear()
+        self.events.clear()
+        self.pending = False
 
 
 class SwapGroup:
@@ -91,16 +102,20 @@ class SwapGroup:
     event (so it can be waited) and every other tensor where it was.
     """
 
-    def __init__(self, name: str, backend: Backend, stats: GroupStats, pool: Any, persistent: bool = False,
-                 lock: Any = None) -> None:
+    def __init__(self, name: str, backend: Backend, stats: GroupStats, pool: Any,
+                 copy_streams: Callable[[Any], Any], lock: Any, persistent: bool = False) -> None:
         self.name = name
+        #: ``copy_streams(device)``: the manager's copy stream of a device, what launches use by default
+        self._copy_streams = copy_streams
         #: the manager's lock (re-entrant): :meth:`load_now` runs from autograd, outside the manager
-        self._lock = lock if lock is not None else threading.RLock()
+        self._lock = lock
         #: set once the manager has forgotten this group (its tensors are not loaded on use any more)
         self.retired = False
-        self._b = backend
+        #: the backend the group's storages and tensors use
+        self.backend = backend
         self.stats = stats
-        self._pool = pool  # the host buffers of bucketed copies (a solo takes its own in SwapTensor)
+        #: the host buffer pool (a bucket's buffer is taken here, a solo storage's by its SwapTensor)
+        self.pool = pool
         #: cap of one bucket of small storages (``core/swap_bucket.py``), set by the manager; 0:
         #: every storage by itself
         self.bucket_bytes = 0
@@ -111,26 +126,28 @@ class SwapGroup:
         # Weak references in the order the storages were added (loads go in backward-use order,
         # the reverse of it); plain refs are much cheaper to walk than a weak container.
         self._storages: List[weakref.ref] = []
-        self._offload_events: List[Any] = []
-        self._load_events: List[Any] = []
-        # What the launches since the last wait started (strong references: a tensor whose region
-        # died in flight is still waited, then freed; ``forget_in_flight`` drops them when nothing
-        # will wait), and the tensors the last offload
-        # launch skipped because somebody else held them: the waits and the layer chain's retry
-        # look at these instead of walking every storage of the group.
-        self._in_d2h: List[SwapTensor] = []
-        self._in_h2d: List[SwapTensor] = []
+        # What the launches since the last wait issued, and the tensors the last offload launch
+        # skipped because somebody else held them: the waits and the layer chain's retry look at
+        # these instead of walking every storage of the group.
+        self._d2h = _InFlight()
+        self._h2d = _InFlight()
+        self._on_use = _InFlight()  # the load of one tensor on use (launched and waited at once, under the lock)
         self._skipped_shared: List[SwapTensor] = []
-        self.offload_pending = False
         self.offload_cancelled = False  # launch_load cancelled an offload in flight (for wait_offload's message)
-        self.load_pending = False
-        # Given to the tensors this group offloads (``SwapTensor.load_on_use``): set by the layer
-        # chain where copies are synchronous, so that backward loads each tensor when it is used.
-        self.load_on_use: Optional[Callable[[SwapTensor], None]] = None
-        # Given to the storages made in this group (``Storage.on_saved``, with its chunk in bytes):
-        # set by the layer chain where copies are synchronous.
-        self.on_saved: Optional[Callable[[Any], None]] = None
-        self.early_chunk = 0
+        #: The schedule flag of the layer chain where copies are synchronous (set per forward):
+        #: its storages offload what the forward dropped as it runs (``Storage.add``) and its
+        #: tensors load when autograd uses them (``SwapTensor.get_val`` -> :meth:`load_now`).
+        self.follows_memory = False
+
+    @property
+    def offload_pending(self) -> bool:
+        """An offload was launched and not waited yet."""
+        return self._d2h.pending
+
+    @property
+    def load_pending(self) -> bool:
+        """A load was launched and not waited yet."""
+        return self._h2d.pending
 
     # ------------------------------------------------------------------ content
     def add(self, storage: Any, new: bool = False) -> None:
@@ -165,9 +182,9 @@ class SwapGroup:
         what is on the host. Used before the manager forgets the group."""
         if self.offload_pending:
             self.wait_offload()
-        if self.has_state(TensorState.HOST) or self.has_state(TensorState.D2H):
+        if self._tensors(TensorState.HOST, TensorState.D2H):
             # The copies go on the compute stream, in its order; its event guards the host buffers.
-            self.launch_load(self._b.current_stream)
+            self.launch_load(self.backend.current_stream)
         if self.load_pending:
             self.wait_load()
 
@@ -176,11 +193,8 @@ class SwapGroup:
         for r in self._storages:
             s = r()
             if s is not None:
-                out.extend(t for t in s.swap_storage if t.state in states)
+                out.extend(t for t in s.swap_tensors if t.state in states)
         return out
-
-    def has_state(self, state: TensorState) -> bool:
-        return bool(self._tensors(state))
 
     def has_retryable(self) -> bool:
         """Whether the last offload launch skipped tensors that were held elsewhere at the time
@@ -189,23 +203,20 @@ class SwapGroup:
 
     def resident_swap_bytes(self) -> int:
         """Bytes of this group's swap candidates that occupy device memory now."""
-        return sum(t.nbytes for s in self.storages() for t in s.swap_tensors() if t.resident_candidate)
+        return sum(t.nbytes for s in self.storages() for t in s.swap_tensors if t.resident_candidate)
 
     def forget_in_flight(self) -> None:
         """Every storage of the group died: nothing can wait for its copies any more (their host
         buffers went back to the pool guarded by their events), so drop the pending state."""
-        self._offload_events.clear()
-        self._load_events.clear()
-        self._in_d2h.clear()
-        self._in_h2d.clear()
+        self._d2h.clear()
+        self._h2d.clear()
         self._skipped_shared.clear()
-        self.offload_pending = self.load_pending = False
 
     # ------------------------------------------------------------------ ordering points
     def _order_d2h_after_producers(self, copy_stream: Any, device: Any, tensors: List[SwapTensor]) -> None:
         """The copy stream must not read a tensor before compute has finished writing it: it waits
         the current stream and every other stream the tensors were produced on."""
-        p = self._b
+        p = self.backend
         streams = [p.current_stream(device)]
         for t in tensors:
             for s in t.producers:
@@ -214,103 +225,83 @@ class SwapGroup:
         for s in streams:
             p.wait_event(copy_stream, p.record_event(s))
 
-    def _order_release_after_d2h(self, device: Any, event: Any) -> None:
-        """Compute waits the D2H before the sources are released (their blocks go back to the
-        compute stream's pool at once)."""
-        self._b.wait_event(self._b.current_stream(device), event)
+    def _order_release_after_d2h(self, compute: Any, event: Any) -> None:
+        """Compute (the current stream of the sources' device) waits the D2H before the sources
+        are released (their blocks go back to the compute stream's pool at once)."""
+        self.backend.wait_event(compute, event)
 
-    def _order_h2d_after_allocation(self, copy_stream: Any, device: Any) -> None:
+    def _order_h2d_after_allocation(self, copy_stream: Any, compute: Any) -> None:
         """The allocator may hand the destinations memory that pending compute work still uses:
-        the copy stream waits compute after they are allocated."""
-        p = self._b
-        p.wait_event(copy_stream, p.record_event(p.current_stream(device)))
+        the copy stream waits compute (the stream that allocated them) after the allocations."""
+        self.backend.wait_event(copy_stream, self.backend.record_event(compute))
 
-    def _order_use_after_h2d(self, device: Any, event: Any) -> None:
-        """Compute waits the H2D before it uses the reloaded tensors."""
-        self._b.wait_event(self._b.current_stream(device), event)
+    def _order_use_after_h2d(self, compute: Any, event: Any) -> None:
+        """Compute (the current stream of the destinations' device) waits the H2D before it uses
+        the reloaded tensors."""
+        self.backend.wait_event(compute, event)
 
     # ------------------------------------------------------------------ offload
-    def launch_offload(self, copy_streams: Callable[[Any], Any]) -> None:
-        """``copy_streams(device)``: the copy stream to use for the storages of ``device``."""
-        with self._b.trace_range(self._ranges["launch_offload"]):
-            self._launch_offload(copy_streams)
+    def launch_offload(self, copy_streams: Optional[Callable[[Any], Any]] = None,
+                       runs: Optional[List[List[SwapTensor]]] = None) -> None:
+        """Copy the tensors of ``runs`` (one list per storage; default: the whole group's) that can
+        go to the host, per device on ``copy_streams(device)`` (default: the manager's copy stream)."""
+        if runs is None:
+            runs = self._offload_runs()
+        skipped: List[SwapTensor] = []
+        self._skipped_shared = skipped
+        with self.backend.trace_range(self._ranges["launch_offload"]):
+            try:
+                for device, tensors in _by_device([t for run in runs for t in run]).items():
+                    copy_stream = (copy_streams or self._copy_streams)(device)
+                    self._order_d2h_after_producers(copy_stream, device, tensors)
+                    started: List[SwapTensor] = []
+                    try:
+                        with self.backend.stream_context(copy_stream):
+                            for run in runs:
+                                ready = [t for t in run if t.device == device and self._cleared(t, skipped)]
+                                self._start_offloads(ready, copy_stream, started)
+                    finally:  # even if a later tensor failed: these copies are queued
+                        self._issued(self._d2h, started, copy_stream, device)
+                        for t in started:
+                            self._offloaded(t)
+            finally:
+                self.stats.offload_launches += 1
+        self._d2h.pending = True
+        self.offload_cancelled = False
 
-    def retry_offload(self, copy_streams: Callable[[Any], Any]) -> None:
+    def retry_offload(self) -> None:
         """Launch the offload of the tensors the last launch skipped as held elsewhere and that
         are worth one more try (``SwapTensor.retryable``: a layer input, free once the caller
         moved on), each by itself: a second look at only these, not a walk of the whole group."""
-        with self._b.trace_range(self._ranges["launch_offload"]):
-            self._launch_offload(copy_streams, runs=self.retry_runs())
+        self.launch_offload(runs=[[t] for t in self._skipped_shared if t.retryable])
 
-    def retry_runs(self) -> List[List[SwapTensor]]:
-        """What :meth:`retry_offload` launches, one tensor per run (for :meth:`offload_synchronously`)."""
-        return [[t] for t in self._skipped_shared if t.retryable]
-
-    def offload_synchronously(self, runs: Optional[List[List[SwapTensor]]] = None) -> None:
-        """``launch_offload`` and ``wait_offload`` in one call, where copies are synchronous (the
-        backend has no copy stream: the layer chain's CPU schedule, which waits every offload at
-        once): each tensor cleared to go is copied to a host buffer and its source dropped as it
-        goes (``SwapTensor.offload_synchronously``), with nothing to order, no event and nothing
-        left in flight. ``runs`` as for ``_launch_offload`` (default: the whole group). With
-        bucketing on, the launch and the wait themselves. Only valid without streams (a host
-        buffer is reused, and a source dropped, as soon as its copy call returns)."""
-        if self._b.current_stream() is not None:
-            raise RuntimeError(f"swap group '{self.name}': offload_synchronously needs a backend without streams "
-                               "(copies are synchronous); use launch_offload and wait_offload.")
-        if runs is None:
-            runs = self._offload_runs()
-        if self.bucket_bytes:
-            with self._b.trace_range(self._ranges["launch_offload"]):
-                self._launch_offload(_no_copy_stream, runs)
-            self.wait_offload()
-            return
-        if self._b.tracing():  # (a range's context costs calls even when nobody records)
-            with self._b.trace_range(self._ranges["launch_offload"]):
-                self._offload_each(runs)
-        else:
-            self._offload_each(runs)
-        self.offload_cancelled = False
-
-    def _offload_each(self, runs: List[List[SwapTensor]]) -> None:
-        """The body of :meth:`offload_synchronously` without buckets: each storage by itself."""
-        skipped: List[SwapTensor] = []
-        self._skipped_shared = skipped
-        pool = self._pool
-        try:
-            for run in runs:
-                for t in run:
-                    skipped_before = t.shared_skips
-                    reason = t.offload_synchronously(pool)
-                    if reason is None:
-                        self._offloaded(t)
-                    else:
-                        self._not_offloaded(t, reason, skipped_before, skipped)
-        finally:
-            self.stats.offload_launches += 1
+    def offload_dropped(self, storage: Any) -> None:
+        """Offload the tensors of ``storage`` that only the swap system still holds (the forward
+        dropped them: ``Storage.dropped``) and wait at once, under the manager's lock: the early
+        offload of a group that follows memory, during the forward that saves them. Nothing while
+        an offload of the group is in flight, or once the manager has forgotten the group."""
+        with self._lock:
+            dead = storage.dropped() if not (self.retired or self.offload_pending) else None
+            if dead:
+                self.launch_offload(runs=[dead])
+                self.wait_offload()
 
     def _cleared(self, t: SwapTensor, skipped: List[SwapTensor]) -> bool:
-        """Whether ``t`` can be offloaded now (``SwapTensor.offload_reason``); if not, see
-        :meth:`_not_offloaded`."""
+        """Whether ``t`` can be offloaded now (``SwapTensor.offload_reason``). If not, the bytes it
+        keeps on the device are counted (a storage skipped as held elsewhere once, however often
+        it is skipped again) and, held elsewhere, it joins ``skipped``."""
         skipped_before = t.shared_skips
         reason = t.offload_reason()
         if reason is None:
             return True
-        self._not_offloaded(t, reason, skipped_before, skipped)
-        return False
-
-    def _not_offloaded(self, t: SwapTensor, reason: KeepReason, skipped_before: int,
-                       skipped: List[SwapTensor]) -> None:
-        """``t`` stays on the device for ``reason``: count the bytes it keeps there (a storage
-        skipped as held elsewhere once, however often it is skipped again: ``skipped_before``,
-        its skips before this launch) and add it to ``skipped`` when it is held elsewhere."""
         if reason is KeepReason.SHARED:
             skipped.append(t)
         if reason is not KeepReason.SHARED or not skipped_before:  # count each storage once
             self.stats.keep(reason, t.nbytes)
+        return False
 
     def _offloaded(self, t: SwapTensor) -> None:
-        """The offload copy of ``t`` was issued: its statistics, and its load on use."""
-        t.load_on_use = self.load_on_use
+        """The offload copy of ``t`` was issued: its statistics."""
         self.stats.offloaded_bytes += t.nbytes
         if t.shared_skips:  # it was counted as kept 'shared' by an earlier launch
             self.stats.keep(KeepReason.SHARED, -t.nbytes)
@@ -323,43 +314,22 @@ class SwapGroup:
         for r in self._storages:
             s = r()
             if s is not None:
-                run = [t for t in s.swap_storage if t.state is TensorState.DEVICE and t.kept_reason is None]
+                run = [t for t in s.swap_tensors if t.state is TensorState.DEVICE and t.kept_reason is None]
                 if run:
                     runs.append(run)
         return runs
 
-    def _launch_offload(self, copy_streams: Callable[[Any], Any], runs: Optional[List[List[SwapTensor]]] = None) -> None:
-        """``runs``: the tensors to consider, one list per storage (default: the whole group's)."""
-        p = self._b
-        if runs is None:
-            runs = self._offload_runs()
-        skipped: List[SwapTensor] = []
-        self._skipped_shared = skipped
-        try:
-            for device, tensors in _by_device([t for run in runs for t in run]).items():
-                copy_stream = copy_streams(device)
-                if copy_stream is not None:  # (None: copies are synchronous, nothing to order)
-                    self._order_d2h_after_producers(copy_stream, device, tensors)
-                started: List[SwapTensor] = []
-                try:
-                    with p.stream_context(copy_stream):
-                        for run in runs:
-                            ready = [t for t in run if t.device == device and self._cleared(t, skipped)]
-                            self._start_offloads(ready, copy_stream, started)
-                finally:
-                    if started:  # even if a later tensor failed: these copies are queued
-                        event = p.record_event(copy_stream)
-                        for t in started:
-                            if event is not None:
-                                t.set_copy_event(event)
-                            self._offloaded(t)
-                        self._in_d2h.extend(started)
-                        self._offload_events.append((device, event))
-                        self.offload_pending = True
-        finally:
-            self.stats.offload_launches += 1
-        self.offload_pending = True
-        self.offload_cancelled = False
+    def _issued(self, flight: _InFlight, tensors: List[SwapTensor], copy_stream: Any, device: Any) -> None:
+        """The copies of ``tensors`` (on ``device``) were queued on ``copy_stream``: the event
+        recorded after them guards their host buffers (``SwapTensor.set_copy_event``), and the
+        wait of ``flight`` waits it."""
+        if tensors:
+            event = self.backend.record_event(copy_stream)
+            for t in tensors:
+                t.set_copy_event(event)
+            flight.tensors.extend(tensors)
+            flight.events.append((device, event))
+            flight.pending = True
 
     def _start_offloads(self, ready: List[SwapTensor], copy_stream: Any, started: List[SwapTensor]) -> None:
         """Issue the D2H copies of ``ready`` (one storage's tensors cleared to go, in save order):
@@ -368,11 +338,11 @@ class SwapGroup:
         they were, and returns the unused shares of a bucket's buffer)."""
         buckets, solos = plan_buckets(ready, self.bucket_bytes)
         for members, offsets, nbytes in buckets:
-            host = self._pool.acquire(nbytes, copy_stream)
+            host = self.pool.acquire(nbytes, copy_stream)
             if host is None:  # over the host cap: each member tries for a buffer of its own
                 solos.extend(members)
                 continue
-            bucket = HostBucket(self._pool, host, nbytes, members)
+            bucket = HostBucket(self.pool, host, nbytes, members)
             issued = 0
             try:
                 for t, offset in zip(members, offsets):
@@ -381,9 +351,9 @@ class SwapGroup:
                     issued += 1
             finally:
                 for _ in range(len(members) - issued):
-                    bucket.release(self._b.record_event(copy_stream))
+                    bucket.release(self.backend.record_event(copy_stream))
         for t in solos:
-            host = self._pool.acquire(t.nbytes, copy_stream)
+            host = self.pool.acquire(t.nbytes, copy_stream)
             if host is None:
                 self.stats.keep(t.keep(KeepReason.HOST_LIMIT), t.nbytes)
                 continue
@@ -392,49 +362,64 @@ class SwapGroup:
             except BaseException:
                 # Nothing of ours is in flight; guard the buffer with the copy stream anyway, in
                 # case the framework queued part of the copy before failing.
-                self._pool.release(host, t.nbytes, self._b.record_event(copy_stream))
+                self.pool.release(host, t.nbytes, self.backend.record_event(copy_stream))
                 raise
             started.append(t)
 
     def wait_offload(self) -> None:
-        if not self.offload_pending and self.offload_cancelled:
+        if not self._d2h.pending and self.offload_cancelled:
             raise RuntimeError(
                 f"wait_offload('{self.name}'): the offload of group '{self.name}' was cancelled by "
                 f"launch_load('{self.name}') before it was waited (its tensors never left the device), so "
                 "there is nothing to wait for. Call wait_offload before launch_load, or drop the "
                 "wait_offload when a group is loaded back right away.")
-        if not self.offload_pending:
+        if not self._d2h.pending:
             raise RuntimeError(
                 f"wait_offload('{self.name}') called but no offload of group '{self.name}' is in flight; "
                 f"call SwapManager().launch_offload('{self.name}') first.")
+        self.stats.wait_offload_s += self._wait(self._d2h, "wait_offload", self._order_release_after_d2h,
+                                                TensorState.D2H, SwapTensor.wait_offload)
+
+    def _wait(self, flight: _InFlight, kind: str, order: Callable[[Any, Any], None], state: TensorState,
+              arrived: Callable[[SwapTensor, Any], None]) -> float:
+        """Wait ``flight``: on each device the current stream waits the launches' events
+        (``order``, an ordering point), then each tensor still in ``state`` (not cancelled since)
+        is told that stream waited (``arrived(tensor, waiter)``). Returns the host seconds spent."""
         t0 = time.perf_counter()
-        with self._b.trace_range(self._ranges["wait_offload"]):
-            for device, event in self._offload_events:
-                if event is not None:  # (None: copies are synchronous, nothing to order)
-                    self._order_release_after_d2h(device, event)
-            waiters: Dict[Any, Any] = {}
-            for t in self._in_d2h:
-                if t.state is not TensorState.D2H:  # cancelled by a load since
-                    continue
-                if t.device not in waiters:
-                    waiters[t.device] = self._b.current_stream(t.device)
-                t.wait_offload(waiters[t.device])
-        self._in_d2h.clear()
-        self._offload_events.clear()
-        self.offload_pending = False
-        self.stats.wait_offload_s += time.perf_counter() - t0
+        with self.backend.trace_range(self._ranges[kind]):
+            waiters: Dict[Any, Any] = {}  # device -> its current stream (every tensor's device has an event)
+            for device, event in flight.events:
+                if device not in waiters:
+                    waiters[device] = self.backend.current_stream(device)
+                order(waiters[device], event)
+            for t in flight.tensors:
+                if t.state is state:
+                    arrived(t, waiters[t.device])
+        flight.clear()
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ load
-    def launch_load(self, copy_streams: Callable[[Any], Any], storages: Optional[Sequence[Any]] = None,
+    def launch_load(self, copy_streams: Optional[Callable[[Any], Any]] = None, storages: Optional[Sequence[Any]] = None,
                     limit_bytes: Optional[int] = None) -> int:
-        """``copy_streams(device)``: the copy stream to use for the storages of ``device``.
+        """``copy_streams(device)``: the copy stream to use for the storages of ``device``
+        (default: the manager's).
 
         ``storages``: load only these (e.g. the storages of one forward, when several forwards of
         the layer wait for their backward); default all. ``limit_bytes``: load at most this many
         bytes, the tensors backward needs first (the reverse of the order they were saved in);
         the rest stay on the host for a later load. Returns the bytes whose copies were issued."""
-        with self._b.trace_range(self._ranges["launch_load"]):
-            return self._launch_load(copy_streams, storages, limit_bytes)
+        with self.backend.trace_range(self._ranges["launch_load"]):
+            wanted = self._in_backward_order(storages, TensorState.HOST, TensorState.D2H)
+            if limit_bytes is not None:
+                wanted = self._first_bytes(wanted, limit_bytes)
+            self._cancel_offloads(wanted)
+            try:
+                issued = self._load([t for t in wanted if t.state is TensorState.HOST],
+                                    copy_streams or self._copy_streams, self._h2d)
+            finally:
+                self.stats.load_launches += 1
+            self._h2d.pending = True
+            return issued
 
     def pending_load_bytes(self, storages: Optional[Sequence[Any]] = None) -> int:
         """Bytes of ``storages`` (default: all) still to bring back to the device."""
@@ -442,174 +427,111 @@ class SwapGroup:
 
     def _in_backward_order(self, storages: Optional[Sequence[Any]], *states: TensorState) -> List[SwapTensor]:
         chosen = self.storages() if storages is None else [s for s in storages if s is not None]
-        return [t for s in reversed(chosen) for t in reversed(list(s.swap_tensors())) if t.state in states]
+        return [t for s in reversed(chosen) for t in reversed(s.swap_tensors) if t.state in states]
 
     def load_now(self, t: SwapTensor) -> None:
         """Load the offloaded tensor ``t`` now (with the siblings of its bucket, which share its
-        copy), where copies are synchronous: the layer chain's load on use (this method is the
-        ``SwapTensor.load_on_use`` of the tensors it offloads on CPU), called when autograd
-        unpacks ``t``. The same transitions as ``launch_load`` + ``wait_load``, without their
-        bookkeeping of a whole group, under the manager's lock; nothing once the manager has
-        forgotten this group (``retired``: the tensor then says which group to load). Only for a
-        backend without streams: the layer chain binds it only where copies are synchronous
-        (``SwapManager._waits_offload_at_once``)."""
+        copy) and wait: what a tensor of a group that ``follows_memory`` asks when autograd unpacks
+        it (the layer chain's load on use where copies are synchronous). The transitions of
+        ``launch_load`` + ``wait_load`` for these tensors only, under the manager's lock; nothing
+        once the manager has forgotten this group (``retired``: the tensor then says which group
+        to load)."""
         with self._lock:
             if self.retired or t.state is not TensorState.HOST:
                 return
-            if t.bucket is None:
-                # Nothing to order, no event: the transitions in one call (this runs once per
-                # saved tensor in backward, so a range is only opened while a profiler records).
-                if self._b.tracing():
-                    with self._b.trace_range(self._ranges["launch_load"]):
-                        t.load_synchronously()
-                else:
-                    t.load_synchronously()
-                self.stats.loaded_bytes += t.nbytes
-                self.stats.load_launches += 1
-                return
-            self._load_bucket_now(t)
-
-    def _load_bucket_now(self, t: SwapTensor) -> None:
-        """:meth:`load_now` of a bucket member: the bucket's one copy brings its siblings too."""
-        p = self._b
-        device, copy_stream = t.device, None  # (copies are synchronous: no copy stream)
-        with p.trace_range(self._ranges["launch_load"]):
-            allocated = self._allocate(self._with_siblings([t]))
-            self._order_and_copy_in(allocated, copy_stream, device)
-            event = p.record_event(copy_stream)
-            for m in allocated:
-                m.set_copy_event(event)
-                self.stats.loaded_bytes += m.nbytes
-            self.stats.load_launches += 1
-        with p.trace_range(self._ranges["wait_load"]):
-            self._order_use_after_h2d(device, event)
-            waiter = p.current_stream(device)
-            for m in allocated:
-                m.wait_load(waiter=waiter)
+            flight = self._on_use
+            with self.backend.trace_range(self._ranges["launch_load"]):
+                try:
+                    self._load([t], self._copy_streams, flight)
+                finally:
+                    self.stats.load_launches += 1
+            self.stats.wait_load_s += self._wait(flight, "wait_load", self._order_use_after_h2d, TensorState.H2D,
+                                                 SwapTensor.wait_load)
 
     @staticmethod
-    def _with_siblings(tensors: List[SwapTensor]) -> List[SwapTensor]:
+    def _with_siblings(tensors: List[SwapTensor]) -> Dict[Any, List[SwapTensor]]:
         """``tensors`` plus the members of their buckets still on the host (a bucket comes back
-        whole: its members share one copy), each once, in order."""
-        out: List[SwapTensor] = []
+        whole: its members share one copy), each once, in order, by device (as ``_by_device``)."""
+        out: Dict[Any, List[SwapTensor]] = {}
         seen = set()
         for t in tensors:
-            group = [t] if t.bucket is None else t.bucket.members(TensorState.HOST)
-            for m in group:
+            for m in [t] if t.bucket is None else t.bucket.members(TensorState.HOST):
                 if id(m) not in seen:
                     seen.add(id(m))
-                    out.append(m)
+                    out.setdefault(m.device, []).append(m)
         return out
 
     @staticmethod
-    def _allocate(tensors: List[SwapTensor]) -> List[SwapTensor]:
-        """Allocate the destinations of ``tensors`` (state host) on the current (compute) stream,
-        one device buffer per bucket; returns those that now wait for a copy. If an allocation
-        fails, those made before it are undone."""
-        bucket_devs: Dict[Any, Any] = {}
-        allocated: List[SwapTensor] = []
-        try:
-            for t in tensors:
-                if t.async_load(bucket_devs):
-                    allocated.append(t)
-        except BaseException:
-            for t in allocated:
-                t.unload()
-            raise
-        return allocated
+    def _first_bytes(wanted: List[SwapTensor], limit_bytes: int) -> List[SwapTensor]:
+        """The first tensors of ``wanted`` (in backward-use order) that fit in ``limit_bytes``, a
+        bucket's members together (a bucket comes back whole); nothing after one that does not fit."""
+        budget, chosen, seen = limit_bytes, [], set()
+        for t in wanted:
+            if t.bucket is None:
+                cost, take = t.nbytes, [t]
+            elif t.bucket in seen:
+                continue  # came with its bucket already
+            else:
+                seen.add(t.bucket)
+                take = t.bucket.members(TensorState.HOST, TensorState.D2H)
+                cost = sum(m.nbytes for m in take)
+            if cost > budget:
+                break
+            budget -= cost
+            chosen.extend(take)
+        return chosen
 
-    def _order_and_copy_in(self, allocated: List[SwapTensor], copy_stream: Any, device: Any) -> None:
-        """Order the copy stream after the allocations, then issue the H2D copies of ``allocated``
-        on it, one per bucket. A tensor whose copy was not issued (a failure) goes back to the host."""
-        copied = set()
-        try:
-            self._order_h2d_after_allocation(copy_stream, device)
-            with self._b.stream_context(copy_stream):
-                for t in allocated:
-                    bucket = t.bucket
-                    t.copy_in(copy_stream, issue=bucket is None or bucket not in copied)
-                    if bucket is not None:
-                        copied.add(bucket)
-        finally:
-            for t in allocated:
-                if not t.load_issued:
-                    t.unload()
-
-    def _launch_load(self, copy_streams: Callable[[Any], Any], storages: Optional[Sequence[Any]] = None,
-                     limit_bytes: Optional[int] = None) -> int:
-        p = self._b
-        wanted = self._in_backward_order(storages, TensorState.HOST, TensorState.D2H)
-        if limit_bytes is not None:
-            budget, chosen, seen = limit_bytes, [], set()
-            for t in wanted:
-                if t.bucket is None:
-                    cost, take = t.nbytes, [t]
-                elif t.bucket in seen:
-                    continue  # came with its bucket already
-                else:  # a bucket comes back whole
-                    seen.add(t.bucket)
-                    take = t.bucket.members(TensorState.HOST, TensorState.D2H)
-                    cost = sum(m.nbytes for m in take)
-                if cost > budget:
-                    break  # keep backward-use order: nothing after a tensor that does not fit
-                budget -= cost
-                chosen.extend(take)
-            wanted = chosen
-        # Offloads that were launched but never waited are cancelled: their sources are intact.
+    def _cancel_offloads(self, wanted: List[SwapTensor]) -> None:
+        """Offloads of ``wanted`` that were launched but never waited are cancelled: their sources
+        are intact (``SwapTensor.cancel_offload``); with none left in flight, nothing is to be waited."""
         for t in wanted:
             if t.state is TensorState.D2H:
-                t.async_load()
-        if self._in_d2h and not any(t.state is TensorState.D2H for t in self._in_d2h):
-            self._in_d2h.clear()
-        if not self._in_d2h:
-            self.offload_cancelled = self.offload_pending
-            self._offload_events.clear()
-            self.offload_pending = False
+                t.cancel_offload()
+        d2h = self._d2h
+        if d2h.tensors and not any(t.state is TensorState.D2H for t in d2h.tensors):
+            d2h.tensors.clear()
+        if not d2h.tensors:
+            self.offload_cancelled = d2h.pending
+            d2h.clear()
+
+    def _load(self, tensors: List[SwapTensor], copy_streams: Callable[[Any], Any], flight: _InFlight) -> int:
+        """Bring ``tensors`` (state host) back with the siblings of their buckets, per device:
+        the destinations allocated on the compute stream that will use and free them (one device
+        buffer per bucket), then one H2D copy per bucket or storage on ``copy_streams(device)``,
+        left for the wait of ``flight``. A tensor whose copy was not issued (a failure) goes back
+        to the host. Returns the bytes whose copies were issued."""
         issued_bytes = 0
-        try:
-            for device, tensors in _by_device(self._with_siblings(
-                    [t for t in wanted if t.state is TensorState.HOST])).items():
-                copy_stream = copy_streams(device)
-                # Destinations are allocated here, on the compute stream that will use and free them.
-                allocated = self._allocate(tensors)
-                try:
-                    self._order_and_copy_in(allocated, copy_stream, device)
-                finally:
-                    issued = [t for t in allocated if t.load_issued]  # even if a later copy failed
-                    if issued:
-                        event = p.record_event(copy_stream)
-                        for t in issued:
-                            t.set_copy_event(event)
-                            self.stats.loaded_bytes += t.nbytes
-                            issued_bytes += t.nbytes
-                        self._in_h2d.extend(issued)
-                        self._load_events.append((device, event))
-                        self.load_pending = True
-        finally:
-            self.stats.load_launches += 1
-        self.load_pending = True
+        for device, on_device in self._with_siblings(tensors).items():
+            copy_stream = copy_streams(device)
+            compute = self.backend.current_stream(device)
+            bucket_devs: Dict[Any, Any] = {}
+            allocated: List[SwapTensor] = []
+            try:
+                for t in on_device:
+                    t.allocate(compute, bucket_devs)
+                    allocated.append(t)
+                self._order_h2d_after_allocation(copy_stream, compute)
+                with self.backend.stream_context(copy_stream):
+                    for t in allocated:  # a bucket's first member copies the whole bucket's buffer
+                        t.copy_in(copy_stream, issue=t.bucket is None or bucket_devs.pop(t.bucket, None) is not None)
+            finally:  # even if a later allocation or copy failed: these copies are queued
+                issued = [t for t in allocated if t.load_issued]
+                for t in allocated:
+                    if not t.load_issued:
+                        t.unload()
+                self._issued(flight, issued, copy_stream, device)
+                for t in issued:
+                    self.stats.loaded_bytes += t.nbytes
+                    issued_bytes += t.nbytes
         return issued_bytes
 
     def wait_load(self) -> None:
-        if not self.load_pending:
+        if not self._h2d.pending:
             raise RuntimeError(
                 f"wait_load('{self.name}') called but no load of group '{self.name}' is in flight; "
                 f"call SwapManager().launch_load('{self.name}') first.")
-        t0 = time.perf_counter()
-        with self._b.trace_range(self._ranges["wait_load"]):
-            for device, event in self._load_events:
-                self._order_use_after_h2d(device, event)
-            waiters: Dict[Any, Any] = {}
-            for t in self._in_h2d:
-                if t.state is not TensorState.H2D:
-                    continue
-                if t.device not in waiters:
-                    waiters[t.device] = self._b.current_stream(t.device)
-                t.wait_load(waiter=waiters[t.device])
-        self._in_h2d.clear()
-        self._load_events.clear()
-        self.load_pending = False
-        self.stats.wait_load_s += time.perf_counter() - t0
+        self.stats.wait_load_s += self._wait(self._h2d, "wait_load", self._order_use_after_h2d, TensorState.H2D,
+                                             SwapTensor.wait_load)
 
     def __repr__(self) -> str:
         return (f"SwapGroup({self.name!r}, storages={len(self)}, "

@@ -102,6 +102,13 @@ class SwapManager:
         #: last storage died while the lock was held elsewhere
         self._locked = _Locked(self)
         self._deferred: List[str] = []  # groups whose last storage died while the lock was held
+        self._chain = LayerChain(self)  # cleared, never replaced: it may still receive hook calls
+        self._start()
+
+    def _start(self) -> None:
+        """The state :meth:`reset` forgets: groups, statistics, settings, the host pool."""
+        # The backend is read again at each reset: a test or tool may have switched it
+        # (core.backend.use_backend).
         self.backend: Backend = active_backend()
         # copies_overlap(), asked once (per layer it would cost calls), on first use: asking the
         # backend for a stream starts an accelerator's runtime, which the manager's creation must not
@@ -119,11 +126,7 @@ class SwapManager:
         self._copy_streams: Dict[Any, Any] = {}  # device -> the manager's copy stream there
         self._prefetch_budget: Any = _AUTO
         self._bucket_bytes = 0  # bucketed copies are opt-in (see set_bucket_bytes)
-        # The records of the chained layer forwards running now (innermost last): a storage made
-        # while one runs belongs to that forward (see LayerChain).
-        self._forward_records: List[Any] = []
-        self._pool = HostBufferPool(self.backend)
-        self._chain = LayerChain(self)  # cleared, never replaced: it may still receive hook calls
+        self._pool = HostBufferPool(self.backend)  # (a new pool: the host limit goes back to "none" too)
 
     # ------------------------------------------------------------------ groups
     def _group(self, name: str, create: bool = False, persistent: bool = False) -> SwapGroup:
@@ -136,8 +139,8 @@ class SwapManager:
             self._retired.pop(name, None)
             self._recent_retired.pop(name, None)
             stats = self._stats.setdefault(name, GroupStats())
-            group = self._groups[name] = SwapGroup(name, self.backend, stats, self._pool, persistent,
-                                                    self.lock)
+            group = self._groups[name] = SwapGroup(name, self.backend, stats, self._pool, self._copy_stream_for,
+                                                    self.lock, persistent)
             group.bucket_bytes = self._bucket_bytes
         elif persistent:
             group.persistent = True
@@ -151,12 +154,9 @@ class SwapManager:
         with self._locked:
             name = group_name or self._current_group_name or DEFAULT_GROUP
             group = self._group(name, create=True)
-            storage = Storage(self.backend, self._pool, name, group.stats)
-            if group.on_saved is not None:
-                storage.on_saved, storage.early_chunk = group.on_saved, group.early_chunk
+            storage = Storage(group)
             self._add_storage(group, storage, new=True)
-            if self._forward_records:
-                self._forward_records[-1].add(storage)
+            self._chain.storage_made(storage)
             return storage
 
     def add_storage(self, group_name: str, storage: Storage) -> None:
@@ -199,18 +199,18 @@ class SwapManager:
             return
         group.forget_in_flight()
         if not group.persistent and name != self._current_group_name:
-            del self._groups[name]
-            group.retired = True
-            self._retire_stats(name)
+            self._retire(name)
             # Remember the name for a while: a wait or launch on it after its graph died (the
             # graph of a skipped step) has nothing to do, which is not the user's mistake.
             self._retired[name] = None
             while len(self._retired) > _RETIRED_NAMES:
                 self._retired.popitem(last=False)
 
-    def _retire_stats(self, name: str) -> None:
-        """A forgotten group keeps its own statistics entry for a while (the last
-        ``_RETIRED_STATS`` of them); older ones are folded into ``retired_groups``."""
+    def _retire(self, name: str) -> None:
+        """Forget group ``name`` (its tensors load on use no more: ``SwapGroup.retired``). It keeps
+        its own statistics entry for a while (the last ``_RETIRED_STATS`` forgotten groups); older
+        ones are folded into ``retired_groups``."""
+        self._groups.pop(name).retired = True
         self._recent_retired[name] = None
         self._recent_retired.move_to_end(name)
         while len(self._recent_retired) > _RETIRED_STATS:
@@ -235,24 +235,7 @@ class SwapManager:
         with self._locked:
             if group_name is not None:
                 self._group(group_name, create=True)
-            self._switch_group(group_name)
-
-    def _offload_dead(self, storage: Storage) -> None:
-        """``Storage.on_saved`` of the layer chain's groups where copies are synchronous: offload
-        the storage's tensors that the forward no longer holds, now rather than at the layer's end."""
-        with self._locked:
-            group = self._groups.get(storage.group_name)
-            if group is not None and not group.offload_pending:
-                dead = storage.dropped()
-                if dead:
-                    group.offload_synchronously([dead])
-
-    def _switch_group(self, group_name: Optional[str]) -> None:
-        """``set_current_group_name`` for the layer chain, which holds the lock and passes a name
-        that was valid already (a chained layer's group, or the name it replaced)."""
-        previous, self._current_group_name = self._current_group_name, group_name
-        if previous is not None and previous != group_name:
-            self._forget_if_empty(previous)
+            self.switch_group(group_name)
 
     def discard_group(self, group_name: str) -> None:
         """Forget group ``group_name`` without moving anything (no-op if unknown): storages of it
@@ -267,10 +250,8 @@ class SwapManager:
                     f"discard_group({group_name!r}): the group belongs to the layer chain "
                     "(set_forward_prefetch_layer / wrap_layers), whose hooks keep using it in forward and "
                     "backward. Call SwapManager().reset() to remove the chain and every group.")
-            group = self._groups.pop(group_name, None)
             if group is not None:
-                group.retired = True
-                self._retire_stats(group_name)
+                self._retire(group_name)
                 if group_name == self._current_group_name:
                     self._current_group_name = None
 
@@ -298,48 +279,31 @@ class SwapManager:
             stream = self._copy_streams[device] = self.backend.new_copy_stream(device)
             return stream
 
-    def _streams(self, copy_stream: Any) -> Callable[[Any], Any]:
-        if copy_stream is not None:
-            return lambda device: copy_stream
-        return self._copy_stream_for
+    @staticmethod
+    def _streams(copy_stream: Any) -> Optional[Callable[[Any], Any]]:
+        """The ``copy_streams`` of a launch given ``copy_stream`` (``None``: the group's default,
+        the manager's copy stream of each device)."""
+        return None if copy_stream is None else lambda device: copy_stream
 
-    # A group forgotten because every storage of it died (see ``_forget_if_empty``) answers
-    # these four calls with nothing to do.
+    def _on_live_group(self, group_name: str, step: Callable[..., Any], *args: Any, wait: bool = False) -> None:
+        """``step(group, *args)`` under the lock; nothing for a group forgotten because every
+        storage of it died (see ``_forget_if_empty``). After a ``wait``, a group whose storages
+        all died is forgotten."""
+        with self._locked:
+            group = self._live_group(group_name)
+            if group is not None:
+                step(group, *args)
+                if wait:
+                    self._forget_if_empty(group_name)
+
     def launch_offload(self, group_name: str, copy_stream: Any = None) -> None:
         """Start copying group ``group_name``'s tensors to host memory on ``copy_stream`` (default:
         the manager's copy stream of each tensor's device). Returns at once on accelerators."""
-        with self._locked:
-            group = self._live_group(group_name)
-            if group is not None:
-                group.launch_offload(self._streams(copy_stream))
-
-    # The layer chain's own two calls: it holds the lock already (they do not take it again).
-    def _retry_offload(self, group_name: str, at_once: bool) -> None:
-        """The layer chain's second try: launch the offload of what group ``group_name``'s last
-        launch skipped because somebody else held it then (``SwapGroup.retry_offload``); where
-        the chain waits offloads at once (``at_once``: copies are synchronous), offload it and
-        wait."""
-        group = self._group(group_name)
-        if at_once:
-            group.offload_synchronously(group.retry_runs())
-        else:
-            group.retry_offload(self._copy_stream_for)
-
-    def _offload_at_once(self, group_name: str) -> None:
-        """The layer chain's offload of a layer where copies are synchronous: ``launch_offload``
-        and ``wait_offload`` in one call (``SwapGroup.offload_synchronously``)."""
-        group = self._live_group(group_name)
-        if group is not None:
-            group.offload_synchronously()
-            self._forget_if_empty(group_name)
+        self._on_live_group(group_name, SwapGroup.launch_offload, self._streams(copy_stream))
 
     def wait_offload(self, group_name: str) -> None:
         """Make compute wait for the group's offload and release its device memory."""
-        with self._locked:
-            group = self._live_group(group_name)
-            if group is not None:
-                group.wait_offload()
-                self._forget_if_empty(group_name)
+        self._on_live_group(group_name, SwapGroup.wait_offload, wait=True)
 
     def launch_load(self, group_name: str, copy_stream: Any = None, *, storages: Any = None,
                     limit_bytes: Optional[int] = None) -> None:
@@ -351,18 +315,11 @@ class SwapManager:
         if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int)
                                         or limit_bytes < 0):
             raise TypeError(f"launch_load: limit_bytes must be an int >= 0 or None, got {limit_bytes!r}")
-        with self._locked:
-            group = self._live_group(group_name)
-            if group is not None:
-                group.launch_load(self._streams(copy_stream), storages, limit_bytes)
+        self._on_live_group(group_name, SwapGroup.launch_load, self._streams(copy_stream), storages, limit_bytes)
 
     def wait_load(self, group_name: str) -> None:
         """Make compute wait for the group's load; its tensors are usable afterwards."""
-        with self._locked:
-            group = self._live_group(group_name)
-            if group is not None:
-                group.wait_load()
-                self._forget_if_empty(group_name)
+        self._on_live_group(group_name, SwapGroup.wait_load, wait=True)
 
     def copies_overlap(self) -> bool:
         """Whether copies run on a copy stream, overlapping compute (an accelerator); on a CPU
@@ -443,14 +400,6 @@ class SwapManager:
         """The bucket cap in force (see :meth:`set_bucket_bytes`); 0: no bucketing."""
         return self._bucket_bytes
 
-    def _waits_offload_at_once(self) -> bool:
-        """Whether the layer chain waits a layer's offload right after launching it: only where
-        copies are synchronous and the (default) budget loads on demand."""
-        if self.copies_overlap():
-            return False
-        budget = self._prefetch_budget  # (prefetch_budget(), inline)
-        return budget is _AUTO or budget == 0
-
     # ------------------------------------------------------------------ layer chain
     def set_forward_prefetch_layer(self, first_layer: Any, second_layer: Any) -> None:
         """Declare that ``second_layer`` runs right after ``first_layer`` in forward (idempotent).
@@ -471,6 +420,27 @@ class SwapManager:
     def layer_group_name(self, layer: Any) -> Optional[str]:
         """The group name the layer chain gave ``layer`` (``None`` if not chained)."""
         return self._chain.group_name(layer)
+
+    # ------------------------------------------------------------------ the layer chain's interface
+    # What ``LayerChain`` uses beyond the public schedule calls (``layer_chain.ChainManager``): for
+    # the package's schedules, called with the manager's lock held.
+    def chain_group(self, group_name: str) -> SwapGroup:
+        """The group of a chained layer, created if new; it lives as long as the chain."""
+        return self._group(group_name, create=True, persistent=True)
+
+    def switch_group(self, group_name: Optional[str]) -> Optional[str]:
+        """Make ``group_name`` (a chained layer's group, or the name one replaced) current without
+        checking it; returns the previous current name. A group left behind with no live storage
+        is forgotten."""
+        previous, self._current_group_name = self._current_group_name, group_name
+        if previous is not None and previous != group_name:
+            self._forget_if_empty(previous)
+        return previous
+
+    def retry_offload(self, group_name: str) -> None:
+        """Launch the offload of what group ``group_name``'s last launch skipped because somebody
+        else held it then (``SwapGroup.retry_offload``): the layer chain's second try."""
+        self._group(group_name).retry_offload()
 
     # ------------------------------------------------------------------ housekeeping
     def set_host_memory_limit(self, limit_bytes: Optional[int]) -> None:
@@ -525,18 +495,4 @@ class SwapManager:
             self._chain.clear()
             for group in self._groups.values():
                 group.retired = True
-            self._groups.clear()
-            self._retired.clear()
-            self._stats.clear()
-            self._retired_stats = GroupStats()
-            self._retired_groups = 0
-            self._recent_retired.clear()
-            self._current_group_name = None
-            self._copy_streams = {}
-            self._prefetch_budget = _AUTO
-            self._forward_records = []
-            # The backend is read again: a test or tool may have switched it (core.backend.use_backend).
-            self.backend = active_backend()
-            self._overlap = None
-            self._pool = HostBufferPool(self.backend)  # the host limit goes back to "none" too
-            self._bucket_bytes = 0
+            self._start()

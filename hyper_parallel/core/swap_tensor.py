@@ -6,10 +6,11 @@ size, stride, storage offset and dtype over one reloaded storage).
 
 States::
 
-    device --start_offload--> d2h --wait_offload--> host --async_load--> h2d --wait_load--> device
+    device --start_offload--> d2h --wait_offload--> host --allocate, copy_in--> h2d --wait_load--> device
+                               d2h --cancel_offload--> device
 
-Where copies are synchronous (a backend without streams) ``offload_synchronously`` and
-``load_synchronously`` each make one arrow pair in one call: the copy is done when they return.
+Every backend runs the same transitions; without streams (a CPU build) their events and
+streams are ``None``, so the ordering calls do nothing and each copy is done when it returns.
 
 ``get_val`` is legal in ``device`` (and in ``d2h``, where the source is still intact on the
 device); anywhere else it raises. Memory is never freed by force: the swap system only drops its
@@ -27,9 +28,9 @@ storage that dies while its copy is in flight. Each of these is one method (``_p
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
-from .backend import Backend, SavedFacts
+from .backend import SavedFacts
 from .keep_reason import KeepReason
 
 __all__ = ["TensorState", "SwapTensor", "SwapView"]
@@ -43,23 +44,24 @@ class TensorState(enum.Enum):
 
 
 class SwapTensor:
-    """State machine of one saved device storage (see the module docstring).
+    """One device *storage* that a region saved (every saved tensor viewing it is one of its
+    aliases), its host copy, and the state machine between them (see the module docstring).
 
-    ``backend`` supplies the tensor operations; ``pool`` the host buffers; ``group_name`` is
-    only used to say which group to load in error messages; ``facts`` describe the first saved
-    tensor (:meth:`Backend.saved_facts` of a swap candidate).
+    ``group`` is the ``SwapGroup`` of the region's ``Storage`` (its backend and host pool; its
+    name in error messages; whether it loads this storage when autograd asks for it while on the
+    host, ``follows_memory``); ``facts`` describe the first saved tensor (``Backend.saved_facts``
+    of a swap candidate).
     """
 
     # One is made per saved storage: slots keep the constructor and attribute reads cheap.
-    __slots__ = ("_b", "_pool", "group_name", "nbytes", "state", "_aliases", "_versions", "_metas", "_src",
+    __slots__ = ("_b", "group", "nbytes", "state", "_aliases", "_versions", "_metas", "_src",
                  "_host", "_dev", "_views", "released", "_host_guard", "kept_reason", "shared_skips", "device",
-                 "producers", "_copy_stream", "_dev_stream", "_load_event", "_ready", "_load_issued", "load_on_use",
+                 "producers", "_copy_stream", "_dev_stream", "_load_event", "_ready", "load_issued",
                  "bucket", "slot_offset", "_block", "__weakref__")
 
-    def __init__(self, backend: Backend, pool: Any, group_name: str, facts: SavedFacts) -> None:
-        self._b = backend
-        self._pool = pool
-        self.group_name = group_name
+    def __init__(self, group: Any, facts: SavedFacts) -> None:
+        self._b = group.backend
+        self.group = group
         self.nbytes: int = facts.nbytes
         self.state = TensorState.DEVICE  # read-only outside this class (a plain attribute: read per tensor)
         # Detached aliases of the saved tensors: they keep the storage alive and share the
@@ -80,7 +82,7 @@ class SwapTensor:
         self._host_guard: Any = None  # offload event: the host buffer is written until it fires
         self.kept_reason: Optional[KeepReason] = None  # set once the storage stays on the device for good
         self.shared_skips = 0  # launches that skipped it because somebody else held it
-        #: the device whose streams order this storage's copies (``Backend.device_key``)
+        #: the device whose streams order this storage's copies (``SavedFacts.device``)
         self.device = facts.device
         # Streams current when the aliases were saved (their producers): the copy stream waits
         # them all, and the source's release is protected when one of them is not the stream
@@ -90,11 +92,7 @@ class SwapTensor:
         self._dev_stream: Any = None   # the stream that allocated ``_block`` (the block's owner)
         self._load_event: Any = None   # the event after the H2D copy into ``_dev``
         self._ready: List[Any] = []    # streams known to be ordered after ``_load_event``
-        self._load_issued = False      # in state h2d: the copy was issued (not only the allocation)
-        # Set by the group that offloaded it when nothing schedules its load (the layer chain where
-        # copies are synchronous): get_val then loads it, as save_on_cpu's unpack does, so that
-        # backward holds only the reloaded tensors in use, not a whole layer.
-        self.load_on_use: Optional[Callable[["SwapTensor"], None]] = None
+        self.load_issued = False       # in state h2d: the copy was issued (not only the allocation)
 
     # ----------------------------------------------------------------- bookkeeping
     @property
@@ -129,7 +127,7 @@ class SwapTensor:
         its index."""
         if self.state is not TensorState.DEVICE or self._aliases is None:
             raise RuntimeError(
-                f"swap group '{self.group_name}': a tensor was saved into a storage that is already "
+                f"swap group '{self.group.name}': a tensor was saved into a storage that is already "
                 f"{self.state.value}; save all tensors of a region before launching its offload.")
         self._aliases.append(facts.alias)
         self._versions.append(facts.version)
@@ -139,13 +137,19 @@ class SwapTensor:
             self.producers.append(stream)
         return len(self._aliases) - 1
 
+    def _out_of_order(self, call: str, advice: str = "") -> RuntimeError:
+        """The error of ``call`` reaching this storage in a state it cannot start from."""
+        return RuntimeError(f"swap group '{self.group.name}': {call} on a tensor in state "
+                            f"'{self.state.value}'{advice}.")
+
     def _mutation(self) -> Optional[str]:
+        """What is wrong if a saved alias was changed in place since it was saved, else ``None``."""
         if self._aliases is None:
             return None
         for i, alias in enumerate(self._aliases):
             now = self._b.version(alias)
             if now != self._versions[i]:
-                return (f"a tensor saved for backward in swap group '{self.group_name}' was modified by an "
+                return (f"a tensor saved for backward in swap group '{self.group.name}' was modified by an "
                         f"in-place operation after it was saved (version {self._versions[i]} when saved, "
                         f"{now} now); gradients would be wrong. Avoid the in-place op (use its "
                         "out-of-place form) or clone the tensor before the op that saves it.")
@@ -170,18 +174,22 @@ class SwapTensor:
             # The copy only reads the source, which stays intact until wait_offload.
             return self._b.rebuild_view(self._src, self._metas[index])
         if state is TensorState.HOST:
-            if self.load_on_use is not None:
-                self.load_on_use(self)
+            group = self.group
+            if group.follows_memory:
+                # Nothing schedules its load (the layer chain where copies are synchronous): load
+                # it now, as save_on_cpu's unpack does, so that backward holds only the reloaded
+                # tensors in use, not a whole layer.
+                group.load_now(self)
                 if self.state is TensorState.DEVICE:
                     return self._b.rebuild_view(self._dev, self._metas[index])
             raise RuntimeError(
-                f"a saved tensor of swap group '{self.group_name}' is on the host (state 'host'): it was "
+                f"a saved tensor of swap group '{self.group.name}' is on the host (state 'host'): it was "
                 "offloaded and never loaded back. Call SwapManager().launch_load"
-                f"('{self.group_name}') and SwapManager().wait_load('{self.group_name}') before the "
+                f"('{self.group.name}') and SwapManager().wait_load('{self.group.name}') before the "
                 "backward that needs it, or chain the layers with set_forward_prefetch_layer.")
         raise RuntimeError(
-            f"a saved tensor of swap group '{self.group_name}' is still being loaded (state 'h2d'). "
-            f"Call SwapManager().wait_load('{self.group_name}') before the backward that needs it.")
+            f"a saved tensor of swap group '{self.group.name}' is still being loaded (state 'h2d'). "
+            f"Call SwapManager().wait_load('{self.group.name}') before the backward that needs it.")
 
     def _drop_if_unused(self) -> None:
         """On the device with no saved tensor left to read it (autograd dropped them all, possibly
@@ -197,23 +205,21 @@ class SwapTensor:
         """``None`` when this storage can be offloaded now, else why it stays on the device (kept
         for good, except ``SHARED``: see below)."""
         if self.state is not TensorState.DEVICE:
-            raise RuntimeError(f"swap group '{self.group_name}': offload of a tensor in state "
-                               f"'{self.state.value}'; only tensors on the device can be offloaded.")
+            raise self._out_of_order("launch_offload", "; only tensors on the device can be offloaded")
         if self.kept_reason is not None:
             return self.kept_reason
         if self._aliases is None:  # reloaded earlier in this step: a second offload is a new save
             return self.keep(KeepReason.RELOADED)
-        blocker = self._b.offload_blocker(self._aliases, self._versions)
-        if blocker is None:
-            return None
-        if blocker is KeepReason.SHARED:
+        if self._mutation() is not None:  # modified in place since it was saved
+            return self.keep(KeepReason.MODIFIED_IN_PLACE)
+        if self.held_elsewhere():
             # Somebody else (the caller still holding a layer's input, a shared mask...) holds
             # this storage: copying it now would free nothing, so skip the bandwidth. Unlike the
             # other reasons this one can pass (the caller moves on to the next layer): the next
             # launch of the group tries again.
             self.shared_skips += 1
-            return blocker
-        return self.keep(blocker)  # modified in place since it was saved
+            return KeepReason.SHARED
+        return None
 
     def start_offload(self, host: Any, copy_stream: Any, bucket: Any = None, offset: int = 0) -> None:
         """Issue the D2H copy of the whole storage into ``host`` at byte ``offset`` (a slot of
@@ -226,104 +232,57 @@ class SwapTensor:
         self._aliases = None
         self.state = TensorState.D2H
 
-    def offload_synchronously(self, pool: Any) -> Optional[KeepReason]:
-        """``device`` -> ``host`` in one step, where copies are synchronous (the backend has no
-        streams): :meth:`offload_reason`, a host buffer of its own from ``pool``,
-        :meth:`start_offload` and :meth:`wait_offload`, with nothing to order. Returns ``None``
-        when the copy is done (dropping the aliases frees the device storage unless somebody else
-        holds it), else why the storage stays (``HOST_LIMIT``: ``pool`` is at its cap). If the
-        copy raises, nothing changes (the buffer goes back to ``pool``). One call per storage
-        instead of the four, on the CPU schedule's path."""
-        reason = self.offload_reason()
-        if reason is not None:
-            return reason
-        host = pool.acquire(self.nbytes, None)
-        if host is None:
-            return self.keep(KeepReason.HOST_LIMIT)
-        try:
-            self._b.copy_bytes(host, self._aliases[0])
-        except BaseException:
-            pool.release(host, self.nbytes, None)
-            raise
-        self._host = host
-        self._aliases = None
-        self.state = TensorState.HOST
-        return None
-
     def keep(self, reason: KeepReason) -> KeepReason:
         """Keep this storage on the device for good (a second offload would not help)."""
         self.kept_reason = reason
         return reason
 
-    def wait_offload(self, waiter: Any = None) -> None:
+    def wait_offload(self, waiter: Any) -> None:
         """The group's offload event has been waited on stream ``waiter``: drop our reference to
         the source. The allocator may hand its block to a new tensor of the block's stream at
         once; if the source was produced on another stream than ``waiter`` (a side stream), that
         stream is not ordered after the D2H, so the block is protected until the copy is done."""
         if self.state is not TensorState.D2H:
-            raise RuntimeError(
-                f"swap group '{self.group_name}': wait_offload on a tensor in state "
-                f"'{self.state.value}'; call launch_offload first.")
+            raise self._out_of_order("wait_offload", "; call launch_offload first")
         if waiter is not None and any(not (p == waiter) for p in self.producers):
             self._protect(self._src, self._copy_stream)
         self._src = None  # the device storage is freed here unless somebody else holds it
         self.state = TensorState.HOST
 
     # ----------------------------------------------------------------- load
-    def async_load(self, bucket_devs: Optional[Dict[Any, Any]] = None) -> bool:
-        """Allocate the H2D destination (on the current compute stream, which will use and free
-        it); :meth:`copy_in` issues the copy. A tensor whose offload was never waited is simply
-        kept (its source is still on the device); returns ``True`` when a copy is to be issued.
-        A bucket member's destination is its slot in the device buffer of the whole bucket,
-        allocated by the first member that asks and found by the others in ``bucket_devs`` (the
-        launch's bucket -> device buffer)."""
-        if self.state is TensorState.D2H:
-            # Cancel: the source is intact; keep it. Compute does not wait for the D2H (it only
-            # reads the source, as the copy does); the block is protected until the copy is
-            # done, and the host buffer goes back to the pool guarded by the D2H event.
-            self._protect(self._src, self._copy_stream)
-            self._dev = self._block = self._src
-            self._src = None
-            self._release_host(self._host_guard)
-            self.state = TensorState.DEVICE
-            self._drop_if_unused()
-            return False
+    def cancel_offload(self) -> None:
+        """A load of a tensor whose offload was never waited (state d2h): keep the source, which
+        is intact. Compute does not wait for the D2H (it only reads the source, as the copy
+        does); the block is protected until the copy is done, and the host buffer goes back to
+        the pool guarded by the D2H event."""
+        self._protect(self._src, self._copy_stream)
+        self._dev = self._block = self._src
+        self._src = None
+        self._release_host(self._host_guard)
+        self.state = TensorState.DEVICE
+        self._drop_if_unused()
+
+    def allocate(self, compute: Any, bucket_devs: Dict[Any, Any]) -> None:
+        """Allocate the H2D destination on ``compute``, the current stream, which will use and
+        free it (the caller then makes the copy stream wait for compute); :meth:`copy_in` issues
+        the copy. A bucket member's destination is its slot in the device buffer of the whole
+        bucket, allocated by the first member that asks and found by the others in
+        ``bucket_devs`` (the launch's bucket -> device buffer)."""
         if self.state is not TensorState.HOST:
-            raise RuntimeError(
-                f"swap group '{self.group_name}': launch_load on a tensor in state '{self.state.value}'.")
-        # The destination is allocated by the compute stream (the stream that will use and free
-        # it); the caller made the copy stream wait for compute after these allocations.
-        self._dev_stream = self._b.current_stream(self.device)
+            raise self._out_of_order("launch_load")
+        self._dev_stream = compute
         bucket = self.bucket
         if bucket is None:
             self._dev = self._block = self._b.empty_device_bytes(self.nbytes, self._metas[0])
         else:
-            dev = bucket_devs.get(bucket) if bucket_devs is not None else None
+            dev = bucket_devs.get(bucket)
             if dev is None:
-                dev = self._b.empty_device_bytes(bucket.nbytes, self._metas[0])
-                if bucket_devs is not None:
-                    bucket_devs[bucket] = dev
+                dev = bucket_devs[bucket] = self._b.empty_device_bytes(bucket.nbytes, self._metas[0])
             self._block = dev
             self._dev = self._b.slot_bytes(dev, self.slot_offset, self.nbytes)
         self._load_event = None
-        self._load_issued = False
+        self.load_issued = False
         self.state = TensorState.H2D
-        return True
-
-    def load_synchronously(self) -> None:
-        """``host`` -> ``device`` in one step, where copies are synchronous (the backend has no
-        streams): :meth:`async_load`, :meth:`copy_in` and :meth:`wait_load` for a storage of its
-        own, with nothing to order, no event to guard the host buffer and no block to protect.
-        One call instead of their dozens, per saved tensor of a backward that loads on use."""
-        if self.state is not TensorState.HOST or self.bucket is not None:
-            raise RuntimeError(
-                f"swap group '{self.group_name}': load_synchronously on a tensor in state "
-                f"'{self.state.value}'{' (in a bucket)' if self.bucket is not None else ''}; only a "
-                "storage of its own on the host can be loaded this way.")
-        self._dev = self._block = self._b.load_bytes(self._host, self.nbytes, self._metas[0])
-        self._release_host(None)  # the copy is done: nothing guards the buffer
-        self.state = TensorState.DEVICE
-        # (no _drop_if_unused: a saved tensor being read is what asked for this load)
 
     def copy_in(self, copy_stream: Any, issue: bool = True) -> None:
         """Issue the H2D copy (called inside the copy-stream context). No ``record_stream`` here:
@@ -333,27 +292,21 @@ class SwapTensor:
         if issue:
             self._b.copy_bytes(self._block, self._host)
         self._copy_stream = copy_stream
-        self._load_issued = True
+        self.load_issued = True
 
     def unload(self) -> None:
-        """Undo :meth:`async_load` for a tensor whose copy was never issued (a launch failed
+        """Undo :meth:`allocate` for a tensor whose copy was never issued (a launch failed
         before reaching it): back to the host, the destination dropped."""
-        if self.state is TensorState.H2D and not self._load_issued:
+        if self.state is TensorState.H2D and not self.load_issued:
             self._dev = self._block = self._dev_stream = None
             self.state = TensorState.HOST
 
-    @property
-    def load_issued(self) -> bool:
-        return self.state is TensorState.H2D and self._load_issued
-
-    def wait_load(self, event: Any = None, waiter: Any = None) -> None:
-        """The load ``event`` has been waited on stream ``waiter``."""
+    def wait_load(self, waiter: Any) -> None:
+        """The load's event (:meth:`set_copy_event`) has been waited on stream ``waiter``."""
         if self.state is not TensorState.H2D:
-            raise RuntimeError(
-                f"swap group '{self.group_name}': wait_load on a tensor in state "
-                f"'{self.state.value}'; call launch_load first.")
-        self._release_host(self._host_guard)  # guard = the load event: the H2D reads the buffer
-        self._load_event = event if event is not None else self._host_guard
+            raise self._out_of_order("wait_load", "; call launch_load first")
+        self._load_event = self._host_guard  # the load's event: the H2D reads the host buffer until then
+        self._release_host(self._host_guard)
         self._ready = [waiter] if waiter is not None else []
         if waiter is not None and self._dev_stream is not None and not (waiter == self._dev_stream):
             # The block belongs to the allocating stream, which never waited the load: keep it
@@ -382,7 +335,7 @@ class SwapTensor:
             if self.bucket is not None:
                 self.bucket.release(guard)
             else:
-                self._pool.release(self._host, self.nbytes, guard)
+                self.group.pool.release(self._host, self.nbytes, guard)
             self._host = None
 
     def set_copy_event(self, event: Any) -> None:
@@ -406,7 +359,7 @@ class SwapTensor:
             pass
 
     def __repr__(self) -> str:
-        return f"SwapTensor(group={self.group_name!r}, nbytes={self.nbytes}, state={self.state.value})"
+        return f"SwapTensor(group={self.group.name!r}, nbytes={self.nbytes}, state={self.state.value})"
 
 
 class SwapView:

@@ -1,7 +1,8 @@
 """Tools to check a swap schedule without an accelerator.
 
-:class:`SimDevice` is a simulated asynchronous device: a :class:`hyper_parallel.core.backend.Backend`
-(it wraps the CPU ``TorchBackend``) whose streams are queues. Copies issued on a copy stream run
+:class:`SimDevice` is a simulated asynchronous device: a ``TorchBackend`` that changes only its
+streams, events, allocation, copies and where a storage lives (every other question is answered by
+the code an accelerator runs), whose streams are queues. Copies issued on a copy stream run
 as late as possible (when a wait on their event forces them, or at :meth:`SimDevice.synchronize`),
 fresh device allocations are filled with ``0xFF`` (NaN in every float dtype), and a device storage
 freed while a queued copy still reads it is poisoned, so a missing wait shows up as NaN or wrong

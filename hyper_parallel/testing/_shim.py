@@ -5,12 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["storage_key", "storage_use_count", "disable_modes"]
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of the ``StorageImpl`` ``t`` views (what the real allocator hands out as one block)."""
-    return t.untyped_storage()._cdata
+__all__ = ["storage_use_count", "disable_modes"]
 
 
 def storage_use_count(storage: "torch.UntypedStorage") -> int:

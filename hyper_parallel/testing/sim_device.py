@@ -62,9 +62,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import hyper_parallel.core.activation_checkpoint  # noqa: F401  (binds the framework's backend first)
-from hyper_parallel.backends.torch.backend import TorchBackend
-from hyper_parallel.core.backend import Backend, use_backend
-from hyper_parallel.core.keep_reason import KeepReason
+from hyper_parallel.backends.torch.backend import HOST, TorchBackend
+from hyper_parallel.core.backend import use_backend
 from hyper_parallel.core.swap_manager import SwapManager
 
 from . import _shim
@@ -74,7 +73,6 @@ __all__ = ["SimDevice", "SimStream", "SimEvent", "StreamHazard", "POISON_BYTE", 
 
 #: The byte every fresh allocation and every poisoned storage is filled with (NaN in float dtypes).
 POISON_BYTE = 0xFF
-HOST = "host"
 
 _ids = itertools.count(1)
 _aten = torch.ops.aten
@@ -344,23 +342,14 @@ class SimDevice(TorchBackend):
         return obj
 
     # ================================================================== the backend contract
-    def device_key(self, meta: Any) -> Any:
-        return meta.device
-
-    def view_meta(self, t: torch.Tensor) -> Any:
-        meta = super().view_meta(t)
+    # Only streams, events, allocation, copies and where a storage lives are simulated: every
+    # other question (saved_facts above all) is answered by TorchBackend's own code, the code an
+    # accelerator runs (tests/test_backend_contract.py checks the class overrides nothing else).
+    def device_of(self, t: torch.Tensor) -> Any:
         info = self._get(t)
-        return meta._replace(device=info.device if info is not None and not info.host else self._state().device)
-
-    def unswappable_reason(self, t: torch.Tensor) -> Optional[KeepReason]:
-        info = self._info.get(_shim.storage_key(t))
-        if info is not None and info.host:
-            return KeepReason.ON_HOST
-        return super().unswappable_reason(t)
-
-    # The contract's composition, not TorchBackend's one-call version: it asks the simulated
-    # primitives above (view_meta, device_key, unswappable_reason, current_stream).
-    saved_facts = Backend.saved_facts
+        if info is None:  # an empty storage (the simulator tracks none)
+            return self._state().device
+        return HOST if info.host else info.device
 
     def current_stream(self, device: Any = None) -> SimStream:
         tls = self._state()
@@ -422,10 +411,6 @@ class SimDevice(TorchBackend):
             self._access(info, stream, True, "allocation (empty_device_bytes)")
             self._raise_pending()
             return t
-
-    # A load in one call would bypass the tracking of the allocation and the copy: the contract's
-    # default, through the two tracked primitives.
-    load_bytes = Backend.load_bytes
 
     def empty_host_bytes(self, nbytes: int) -> torch.Tensor:
         self._before("empty_host_bytes", nbytes)

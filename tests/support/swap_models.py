@@ -36,11 +36,27 @@ __all__ = [
     "saved_tensor_nodes",
     "group",
     "round_trip",
+    "follows_memory",
+    "add_swap",
 ]
 
-# (_retry_offload: the layer chain's second offload try of what a launch skipped as held elsewhere;
-# _offload_at_once: its launch + wait in one call where copies are synchronous)
-MANAGER_CALLS = ("launch_offload", "_offload_at_once", "_retry_offload", "wait_offload", "launch_load", "wait_load")
+# (retry_offload: the layer chain's second offload try of what a launch skipped as held elsewhere)
+MANAGER_CALLS = ("launch_offload", "retry_offload", "wait_offload", "launch_load", "wait_load")
+
+
+def add_swap(storage: Any, t: torch.Tensor) -> Any:
+    """Save ``t`` into ``storage`` as a swap candidate, as a region's pack does (``t`` must be
+    one: not a parameter, not empty...); returns its ``SwapView``."""
+    facts = SwapManager().backend.saved_facts(t, ())
+    assert facts.reason is None, f"not a swap candidate: {facts.reason}"
+    return storage.add(facts)
+
+
+def follows_memory() -> bool:
+    """Whether the layer chain follows memory now (copies are synchronous and the prefetch budget
+    is 0, the CPU default): offloads are waited at once and backward loads each tensor on use."""
+    mgr = SwapManager()
+    return not mgr.copies_overlap() and mgr.prefetch_budget() == 0
 
 
 class ToyBlock(nn.Module):

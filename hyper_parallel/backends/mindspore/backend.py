@@ -18,17 +18,17 @@ keep their own RNG state, which ``recompute`` cannot restore).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import mindspore as ms
 from mindspore import Tensor, mint, nn
 from mindspore.ops import Primitive
 from mindspore.utils import MsDispatchMode
 
-from hyper_parallel.core.backend import Backend, OpKind
+from hyper_parallel.core.backend import Backend, OpKind, SavedFacts
 from hyper_parallel.core.keep_reason import KeepReason
 from hyper_parallel.core.policy import CheckpointPolicy
-from hyper_parallel.core.region_state import RegionMarker
+from hyper_parallel.core.region_state import AroundMode
 
 from . import _shim
 
@@ -126,45 +126,32 @@ class _MstxRange:
 
 
 # ------------------------------------------------------------------------------------- dispatch modes
-class _RegionMode(MsDispatchMode):
-    """Dispatch mode of one selective region inside ``mindspore.recompute``."""
+class _PipelineOff:
+    """PyNative's front-end pipeline off inside (see ``_shim.disable_pipeline``), as it was before
+    when it was off already; re-entrant."""
 
-    recompute = False
+    def __init__(self) -> None:
+        self._was_off: List[bool] = []
 
-    def __init__(self, region: Any, frame: Any = None) -> None:
+    def __enter__(self) -> None:
+        self._was_off.append(_shim.disable_pipeline())
+
+    def __exit__(self, *exc: Any) -> None:
+        _shim.restore_pipeline(self._was_off.pop())
+
+
+class _OpMode(AroundMode, MsDispatchMode):
+    """A dispatch mode (inside ``mindspore.recompute``) that hands every op to ``handler(op,
+    args, kwargs)``, inside ``around`` (the engine's region shell: ``AroundMode``), with PyNative's
+    front-end pipeline off while it is active."""
+
+    def __init__(self, handler: Callable[[Any, Tuple[Any, ...], dict], Any], around: Any) -> None:
         super().__init__()
-        self._region = region
-        self._op = region.recompute_op if self.recompute else region.forward_op
-        self._marker = RegionMarker(recompute=self.recompute, frame=frame)
-        self._pipeline_prev: List[bool] = []
-
-    def __enter__(self) -> "_RegionMode":
-        if self.recompute:
-            self._region.start_replay()
-        self._pipeline_prev.append(_shim.disable_pipeline())
-        self._marker.__enter__()
-        try:
-            super().__enter__()
-        except BaseException:
-            self._marker.__exit__(None, None, None)
-            _shim.restore_pipeline(self._pipeline_prev.pop())
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        try:
-            super().__exit__(*exc)
-        finally:
-            self._marker.__exit__(*exc)
-            _shim.restore_pipeline(self._pipeline_prev.pop())
-        return False
+        self._handler = handler
+        self.around = (_PipelineOff(), around)
 
     def __ms_dispatch__(self, func: Any, args: Tuple, kwargs: Optional[Dict] = None) -> Any:
-        return self._op(func, args, kwargs or {})
-
-
-class _RecomputeMode(_RegionMode):
-    recompute = True
+        return self._handler(func, args, kwargs or {})
 
 
 class MindSporeBackend(Backend):
@@ -194,9 +181,6 @@ class MindSporeBackend(Backend):
         # It is only compared while the swap system holds an alias, so it cannot be reused meanwhile.
         return t.untyped_storage().data_ptr()
 
-    def storage_nbytes(self, t: Tensor) -> int:
-        return t.untyped_storage().nbytes()
-
     def storage_other_holders(self, aliases: Sequence[Tensor]) -> int:
         # MindSpore exposes no use count of a storage, so "does somebody else still hold it" cannot
         # be answered: every candidate is copied. That stays safe (only the swap system's own
@@ -208,9 +192,6 @@ class MindSporeBackend(Backend):
         # op issued just before would not be counted yet.
         t.wait_pipeline()
         return t._version  # pylint: disable=protected-access
-
-    def view_meta(self, t: Tensor) -> ViewMeta:
-        return ViewMeta(tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype, device_kind(t))
 
     def alias(self, t: Tensor) -> Tensor:
         # A no-grad view with the same layout, sharing the version counter: holding it keeps the
@@ -229,9 +210,31 @@ class MindSporeBackend(Backend):
         with _shim.internal():  # the CPU build has no Clone kernel
             return mint.empty_like(t).copy_(t)
 
-    def unswappable_reason(self, t: Any) -> Optional[KeepReason]:
-        if not isinstance(t, Tensor):
-            return KeepReason.UNSUPPORTED_TENSOR
+    def saved_facts(self, t: Any, param_keys: Any) -> SavedFacts:
+        if not isinstance(t, Tensor):  # nothing a byte copy can rebuild, nor alias
+            return SavedFacts(KeepReason.UNSUPPORTED_TENSOR, t, 0, None, 0, None, None, None)
+        alias = self.alias(t)
+        version = self.version(alias)
+        reason = self._unswappable_reason(t)
+        if reason is not None:
+            nbytes = 0 if reason is KeepReason.UNSUPPORTED_TENSOR else t.untyped_storage().nbytes()
+            return SavedFacts(reason, alias, version, None, nbytes, None, None, None)
+        key = self.storage_id(t)
+        nbytes = t.untyped_storage().nbytes()
+        if key in param_keys:
+            reason = KeepReason.PARAMETER if self.requires_grad(t) else KeepReason.BUFFER
+        elif t._is_leaf and t._requires_grad:  # pylint: disable=protected-access
+            reason = KeepReason.PARAMETER
+        if reason is not None:
+            return SavedFacts(reason, alias, version, key, nbytes, None, None, None)
+        meta = ViewMeta(tuple(alias.shape), tuple(alias.stride()), int(alias.storage_offset()), alias.dtype,
+                        device_kind(alias))
+        # One device per process (``set_device``): its streams order every storage (device None).
+        return SavedFacts(None, alias, version, key, nbytes, meta, None, self.current_stream())
+
+    def _unswappable_reason(self, t: Tensor) -> Optional[KeepReason]:
+        """Why ``t`` cannot be swapped: a meta or unmaterialised tensor, one on the host, an empty
+        storage (``None`` if it can)."""
         try:
             if t.is_meta():
                 return KeepReason.UNSUPPORTED_TENSOR
@@ -248,9 +251,6 @@ class MindSporeBackend(Backend):
 
     def requires_grad(self, t: Tensor) -> bool:
         return bool(t._requires_grad)  # pylint: disable=protected-access
-
-    def is_grad_leaf(self, t: Tensor) -> bool:
-        return bool(t._is_leaf and t._requires_grad)  # pylint: disable=protected-access
 
     # ------------------------------------------------------------------ byte views, allocation, copies
     @staticmethod
@@ -271,6 +271,9 @@ class MindSporeBackend(Backend):
     # MindSpore 2.10's UntypedStorage cannot be sliced (no storage over part of another), so a
     # bucket's members could not get their own storage back: every storage is copied by itself.
     supports_slots = False
+
+    def slot_bytes(self, buf: Tensor, offset: int, nbytes: int) -> Any:
+        raise NotImplementedError("the MindSpore backend cannot make a storage over part of another (no buckets)")
 
     def empty_device_bytes(self, nbytes: int, like: ViewMeta) -> Tensor:
         with _shim.internal():
@@ -303,10 +306,7 @@ class MindSporeBackend(Backend):
         return None
 
     # A MindSpore process drives one device (``set_device``), so every tensor's streams are the
-    # current device's: ``device_key`` is ``None`` and ``device`` is always the current one.
-    def device_key(self, meta: ViewMeta) -> Any:
-        return None
-
+    # current device's: ``device`` is always ``None``, the current one.
     def current_stream(self, device: Any = None) -> Any:
         return ms.runtime.current_stream() if self.accelerator is not None else None
 
@@ -318,11 +318,15 @@ class MindSporeBackend(Backend):
             return contextlib.nullcontext()
         return ms.runtime.StreamCtx(stream)
 
+    def record_event(self, stream: Any) -> Any:
+        return stream.record_event() if stream is not None else None
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
     def trace_range(self, name: str) -> Any:
         return _MstxRange(name) if self.accelerator == "Ascend" else contextlib.nullcontext()
-
-    def tracing(self) -> bool:
-        return self.accelerator == "Ascend"
 
     # ------------------------------------------------------------------ random numbers
     # rng_replayable is False: random ops are always kept, so the engine never snapshots the RNG.
@@ -345,18 +349,24 @@ class MindSporeBackend(Backend):
     def saved_tensors_hooks(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
         return ms.saved_tensors_hooks(pack, unpack)
 
-    def dispatch_modes(self, region: Any, frame: Any = None) -> Tuple[MsDispatchMode, MsDispatchMode]:
-        return _RegionMode(region, frame), _RecomputeMode(region, frame)
-
     def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
-                       frame: Any, options: dict) -> Any:
+                       context_fn: Callable[[], Tuple[Any, Any]], options: dict) -> Any:
         # MindSpore always runs a selective region (it cannot replay the RNG; see rng_replayable).
         # recompute_sessions stays False: each half of a split backward recomputes.
         extra = {}
         if "preserve_rng_state" in options:
             extra["save_rng_state"] = bool(options["preserve_rng_state"])
         return ms.recompute(function, *args, use_reentrant=False, early_stop=bool(options.get("early_stop", False)),
-                            context_fn=lambda: self.dispatch_modes(frame.selective, frame), **extra, **kwargs)
+                            context_fn=context_fn, **extra, **kwargs)
+
+    def op_mode(self, handler: Callable[[Any, Tuple[Any, ...], dict], Any], around: Any) -> MsDispatchMode:
+        return _OpMode(handler, around)
+
+    def session_hooks(self, boxes: Any) -> Any:
+        raise NotImplementedError("MindSpore's recompute cannot host recompute sessions (recompute_sessions is False)")
+
+    def recomputed_leaf(self, t: Tensor, requires_grad: bool) -> Tensor:
+        raise NotImplementedError("checkpoint_exclude_wrapper is PyTorch only (exclusion_supported is False)")
 
     def compiling(self) -> bool:
         return False  # PyNative only: graph mode is refused by check_ready
@@ -448,13 +458,14 @@ class MindSporeBackend(Backend):
     def is_module(self, x: Any) -> bool:
         return isinstance(x, nn.Cell)
 
-    def module_tensors(self, module: nn.Cell) -> Iterator[Tensor]:
+    def module_storage_ids(self, module: nn.Cell) -> Set[int]:
+        ids = set()
         for p in module.get_parameters():
             try:
-                p.untyped_storage().data_ptr()
+                ids.add(self.storage_id(p))
             except Exception:  # not materialised yet (lazy init): nothing can save it
                 continue
-            yield p
+        return ids
 
     def has_buffers(self, module: nn.Cell) -> bool:
         return any(not p.requires_grad for p in module.get_parameters())

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
 
 from typing import Any, List, Sequence, Set, Tuple
 
-try:
-    from torch.distributed.fsdp import FSDPModule as _FSDPModule
-except ImportError:  # a build without torch.distributed
-    _FSDPModule = None
-
 __all__ = ["storage_key", "storage_keys", "version", "storage_use_count", "in_backward", "detach_keeping_version",
-           "pipeline_stages", "drop_pipeline_losses", "profiler_enabled", "fsdp_module_class", "innermost_saved_tensors_hooks",
-           "functional_collective", "is_compiled_module",
-           "pinned_alloc_size", "empty_host_cache", "saved_identity", "saved_storage_state"]
+           "pipeline_stages", "drop_pipeline_losses", "trace_range", "fsdp_module_class",
+           "innermost_saved_tensors_hooks", "functional_collective", "is_compiled_module", "pinned_alloc_size",
+           "empty_host_cache", "saved_identity"]
 
 # Namespaces of PyTorch's functional collectives (and their waits): ops that communicate.
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
@@ -75,18 +71,6 @@ def saved_identity(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
     return alias, alias._version, storage._cdata, storage.nbytes()
 
 
-def saved_storage_state(aliases: Sequence[torch.Tensor], versions: Sequence[int]) -> Tuple[bool, int]:
-    """``(whether the version of an alias is no longer the one in versions, how many tensors view
-    the aliases' common storage)``: the private reads an offload makes for every storage, in one
-    call (see ``storage_use_count``)."""
-    changed = False
-    for alias, saved in zip(aliases, versions):
-        if alias._version != saved:
-            changed = True
-            break
-    return changed, storage_use_count(aliases[0].untyped_storage()) - 1
-
-
 def pipeline_stages(schedule: Any) -> List[Any]:
     """The stages a ``torch.distributed.pipelining`` schedule runs on this process: single-stage
     schedules keep one in ``_stage``, multi-stage ones a list in ``_stages`` (no public accessor)."""
@@ -109,17 +93,25 @@ def drop_pipeline_losses(schedule: Any) -> None:
         losses.clear()
 
 
-def profiler_enabled() -> bool:
-    """Whether a ``torch.profiler`` / autograd profiler is recording on this thread. Opening a
-    ``record_function`` range costs microseconds even when nobody records; the swap engine opens
-    its named ranges only while this is true."""
-    return bool(torch.autograd.profiler._is_profiler_enabled)
+_NO_RANGE = contextlib.nullcontext()  # reusable: nullcontext keeps no state
+
+
+def trace_range(name: str) -> Any:
+    """A ``record_function`` range named ``name`` while a ``torch.profiler`` / autograd profiler
+    records on this thread, else a no-op context: opening a range costs microseconds even when
+    nobody records, and the swap engine opens them several times per layer. Whether one records is
+    a private flag (no public accessor)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return _NO_RANGE
 
 
 def fsdp_module_class() -> Any:
-    """``FSDPModule`` (the class ``fully_shard`` mixes into a module), or ``None`` on a build
-    without ``torch.distributed``."""
-    return _FSDPModule
+    """``FSDPModule`` (the class ``fully_shard`` mixes into a module), or ``None`` while nothing
+    imported ``torch.distributed.fsdp``: no module can be sharded before that, and importing it
+    here would cost every process seconds (it pulls in DTensor and sympy)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
 
 
 def is_compiled_module(module: Any) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from typing import Any, Callable, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.utils.checkpoint as torch_ckpt
@@ -21,20 +21,25 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hyper_parallel.core.backend import Backend, OpKind, SavedFacts
 from hyper_parallel.core.keep_reason import KeepReason
 from hyper_parallel.core.policy import CheckpointPolicy, normalize_policy
-from hyper_parallel.core.recompute_session import SessionBoxes
-from hyper_parallel.core.region_state import RegionMarker
+from hyper_parallel.core.region_state import AroundMode
 
 from . import _shim
 
-__all__ = ["TorchBackend", "ViewMeta", "not_byte_copyable"]
+__all__ = ["TorchBackend", "ViewMeta", "HOST", "not_byte_copyable"]
 
 
 class ViewMeta(NamedTuple):
+    """A saved view's layout: what rebuilds it over a copy of its storage."""
+
     size: Tuple[int, ...]
     stride: Tuple[int, ...]
     offset: int
     dtype: torch.dtype
-    device: torch.device
+    device: Any  # ``TorchBackend.device_of``: the torch.device (a simulated device's own key there)
+
+
+#: ``TorchBackend.device_of`` of a storage in host memory next to an accelerator.
+HOST = "host"
 
 
 _TORCH_POLICY = torch_ckpt.CheckpointPolicy
@@ -58,103 +63,21 @@ _UNDECLARED_WRITES = {op: ((3, "running_mean"), (4, "running_var")) for op in (
 _MACHINERY = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
 
 
-class _SessionHooks:
-    """Saved-tensor hooks pushed inside a checkpoint's own (the innermost pair when the
-    checkpoint's forward context is entered) that box what the checkpoint packs, so that a
-    ``RecomputeSession`` can share one recomputation between the halves of a split backward.
-    Outside a session a box only forwards to the checkpoint's unpack."""
-
-    __slots__ = ("_boxes", "_hooks")
-
-    def __init__(self, boxes: Any) -> None:
-        self._boxes = boxes
-        self._hooks: List[Any] = []
-
-    def __enter__(self) -> "_SessionHooks":
-        inner = _shim.innermost_saved_tensors_hooks() if self._boxes is not None else None
-        hooks: Any = contextlib.nullcontext()
-        if inner is not None:
-            pack, unpack = inner
-            hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self._boxes.pack, pack),
-                                                             functools.partial(SessionBoxes.unpack, unpack))
-        hooks.__enter__()
-        self._hooks.append(hooks)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.pop().__exit__(*exc)
-
-
-class _RegionMode(TorchDispatchMode):
-    """Dispatch mode of one selective region; marks (on this thread) that the region's forward,
-    or its recomputation, is running; in forward, boxes what the checkpoint saves."""
-
-    recompute = False
+class _OpMode(AroundMode, TorchDispatchMode):
+    """A dispatch mode that hands every op to ``handler(op, args, kwargs)``, inside ``around``
+    (the engine's region shell: ``AroundMode``)."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, region: Any, frame: Any = None) -> None:
+    def __init__(self, handler: Callable[[Any, Tuple[Any, ...], dict], Any], around: Any) -> None:
         super().__init__()
-        self._op = region.recompute_op if self.recompute else region.forward_op
-        self._marker = RegionMarker(recompute=self.recompute, frame=frame)
-        self._session = _SessionHooks(None if self.recompute or frame is None else frame.boxes)
-
-    def __enter__(self) -> "_RegionMode":
-        self._marker.__enter__()
-        try:
-            mode = super().__enter__()
-            self._session.__enter__()
-        except BaseException:
-            self._marker.__exit__(None, None, None)
-            raise
-        return mode
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            self._session.__exit__(*exc)
-            super().__exit__(*exc)
-        finally:
-            self._marker.__exit__(*exc)
+        self._handler = handler
+        self.around = (around,)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        return self._op(func, args, kwargs or {})
-
-
-class _RecomputeMode(_RegionMode):
-    recompute = True
-
-    def __init__(self, region: Any, frame: Any = None) -> None:
-        super().__init__(region, frame)
-        self._region = region
-
-    def __enter__(self) -> "_RecomputeMode":
-        self._region.start_replay()
-        return super().__enter__()
-
-
-class _WholeRegionForward:
-    """Forward context of a whole-region checkpoint: the region marker and the session boxes."""
-
-    def __init__(self, frame: Any) -> None:
-        self._marker = RegionMarker(recompute=False, frame=frame)
-        self._session = _SessionHooks(frame.boxes if frame is not None else None)
-
-    def __enter__(self) -> "_WholeRegionForward":
-        self._marker.__enter__()
-        try:
-            self._session.__enter__()
-        except BaseException:
-            self._marker.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            self._session.__exit__(*exc)
-        finally:
-            self._marker.__exit__(*exc)
+        return self._handler(func, args, kwargs or {})
 
 
 # What a selective policy's answer means to PyTorch's compiled selective checkpoint. MUST_SWAP
@@ -210,10 +133,9 @@ class _NoCompileHook:
         return (_NoCompileHook, (self.hook,))
 
 
-_CPU = torch.device("cpu")
 _new_tuple = tuple.__new__
 _STRIDED = torch.strided
-_NO_RANGE = contextlib.nullcontext()  # reusable: nullcontext keeps no state
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: nullcontext keeps no state
 # Tensor types whose bytes and view metadata are the whole tensor (subclasses such as DTensor are not).
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
@@ -265,55 +187,26 @@ class TorchBackend(Backend):
     # The per-tensor primitives below run for every saved tensor: the shim's functions are bound
     # directly (one call instead of two).
     storage_id = staticmethod(_shim.storage_key)
-
-    def storage_nbytes(self, t: torch.Tensor) -> int:
-        return t.untyped_storage().nbytes()
-
-    def storage_other_holders(self, aliases: Sequence[torch.Tensor]) -> int:
-        storage = aliases[0].untyped_storage()
-        # use count = tensors viewing the storage + 1 for the `storage` object held here.
-        return _shim.storage_use_count(storage) - 1 - len(aliases)
-
-    def offload_blocker(self, aliases: Sequence[torch.Tensor], versions: Sequence[int]) -> Optional[KeepReason]:
-        # Backend.offload_blocker with one shim call: it runs for every storage an offload considers.
-        changed, viewers = _shim.saved_storage_state(aliases, versions)
-        if changed:
-            return KeepReason.MODIFIED_IN_PLACE
-        return KeepReason.SHARED if viewers > len(aliases) else None
-
     version = staticmethod(_shim.version)
-
-    def view_meta(self, t: torch.Tensor) -> ViewMeta:
-        # Size and stride are tuples. tuple.__new__ directly: a NamedTuple's own constructor is a
-        # Python function, and this runs once per saved storage.
-        return _new_tuple(ViewMeta, (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device))
-
     alias = staticmethod(_shim.detach_keeping_version)
 
-    def hand_back(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def clone(self, t: torch.Tensor) -> torch.Tensor:
-        return t.clone()
-
-    def unswappable_reason(self, t: torch.Tensor) -> Optional[KeepReason]:
-        if not_byte_copyable(t):
-            return KeepReason.UNSUPPORTED_TENSOR
-        if self.accelerator is not None and t.is_cpu:
-            return KeepReason.ON_HOST
-        if t.untyped_storage().nbytes() == 0:
-            return KeepReason.EMPTY
-        return None
+    def device_of(self, t: torch.Tensor) -> Any:
+        """Where the storage of ``t`` lives: :data:`HOST` for host memory next to an accelerator
+        (never swapped), else the device whose streams order its copies. The one per-tensor
+        answer a simulated device gives differently (``hyper_parallel.testing``: which simulated
+        device, or its host buffers); everything else :meth:`saved_facts` asks is the same code."""
+        return HOST if self.accelerator is not None and t.is_cpu else t.device
 
     def saved_facts(self, t: torch.Tensor, param_keys: Any) -> SavedFacts:
-        # The composition of Backend.saved_facts in one call and one shim call: it runs for every
-        # tensor autograd saves in a swap region, and each primitive call costs more than its work.
+        # One call and one shim call (saved_identity) for everything: this runs for every tensor
+        # autograd saves in a swap region, and each further call costs more than its work.
         if not_byte_copyable(t):
             alias = _shim.detach_keeping_version(t)
             return _new_tuple(SavedFacts, (KeepReason.UNSUPPORTED_TENSOR, alias, _shim.version(alias), None, 0,
                                            None, None, None))
         alias, version, key, nbytes = _shim.saved_identity(t)
-        if self.accelerator is not None and t.is_cpu:
+        device = self.device_of(alias)
+        if device is HOST:
             return _new_tuple(SavedFacts, (KeepReason.ON_HOST, alias, version, None, nbytes, None, None, None))
         if nbytes == 0:
             return _new_tuple(SavedFacts, (KeepReason.EMPTY, alias, version, None, 0, None, None, None))
@@ -323,19 +216,23 @@ class TorchBackend(Backend):
         base = t._base if t._base is not None else t
         if base.is_leaf and base.requires_grad:
             return _new_tuple(SavedFacts, (KeepReason.PARAMETER, alias, version, key, nbytes, None, None, None))
-        # view_meta, device_key and current_stream, inline
-        device = alias.device
+        # Size and stride are tuples. tuple.__new__ directly: a NamedTuple's own constructor is a
+        # Python function.
         meta = _new_tuple(ViewMeta, (alias.shape, alias.stride(), alias.storage_offset(), alias.dtype, device))
-        device = None if device == _CPU else device
-        stream = self._dm.current_stream(device) if self._dm is not None else None
-        return _new_tuple(SavedFacts, (None, alias, version, key, nbytes, meta, device, stream))
+        return _new_tuple(SavedFacts, (None, alias, version, key, nbytes, meta, device, self.current_stream(device)))
+
+    def storage_other_holders(self, aliases: Sequence[torch.Tensor]) -> int:
+        # use count = tensors viewing the storage + 1 for the storage object made here.
+        return _shim.storage_use_count(aliases[0].untyped_storage()) - 1 - len(aliases)
+
+    def hand_back(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def clone(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
 
     def requires_grad(self, t: torch.Tensor) -> bool:
         return t.requires_grad
-
-    def is_grad_leaf(self, t: torch.Tensor) -> bool:
-        base = t._base if t._base is not None else t
-        return base.is_leaf and base.requires_grad
 
     # ------------------------------------------------------------------ byte views, allocation, copies
     # Autograd never sees these ops: their inputs are detached aliases and byte tensors that do
@@ -354,11 +251,6 @@ class TorchBackend(Backend):
 
     def empty_device_bytes(self, nbytes: int, like: ViewMeta) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
-
-    def load_bytes(self, host: torch.Tensor, nbytes: int, like: ViewMeta) -> torch.Tensor:
-        # One call allocates (on the current stream) and copies; host buffers hold exactly nbytes.
-        # Blocking: the caller hands the host buffer back to the pool right away.
-        return host.to(like.device, copy=True)
 
     def empty_host_bytes(self, nbytes: int) -> torch.Tensor:
         # Pinned memory makes D2H/H2D truly asynchronous; a CPU-only build has none.
@@ -394,11 +286,8 @@ class TorchBackend(Backend):
             t.record_stream(stream)
 
     # ------------------------------------------------------------------ streams and events
-    def device_key(self, meta: ViewMeta) -> Any:
-        # Streams and events belong to one device: a model moved to cuda:1 without
-        # torch.cuda.set_device(1) computes on cuda:1's current stream, not the current device's.
-        return None if meta.device == _CPU else meta.device  # (device.type builds a string: slower)
-
+    # Streams and events belong to one device: a model moved to cuda:1 without
+    # torch.cuda.set_device(1) computes on cuda:1's current stream, not the current device's.
     def current_stream(self, device: Any = None) -> Any:
         return self._dm.current_stream(device) if self._dm is not None else None
 
@@ -409,17 +298,17 @@ class TorchBackend(Backend):
 
     def stream_context(self, stream: Any) -> Any:
         if stream is None or self._dm is None:
-            return contextlib.nullcontext()
+            return _NO_CONTEXT
         return self._dm.stream(stream)
 
-    tracing = staticmethod(_shim.profiler_enabled)
+    def record_event(self, stream: Any) -> Any:
+        return stream.record_event() if stream is not None else None
 
-    def trace_range(self, name: str) -> Any:
-        # A record_function range costs a few microseconds even when nobody records: only open
-        # one while a profiler is running.
-        if _shim.profiler_enabled():
-            return torch.profiler.record_function(name)
-        return _NO_RANGE
+    def wait_event(self, stream: Any, event: Any) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+    trace_range = staticmethod(_shim.trace_range)  # (opened several times per layer)
 
     # ------------------------------------------------------------------ random numbers
     def rng_state(self, args: Sequence[Any]) -> Any:
@@ -449,23 +338,23 @@ class TorchBackend(Backend):
     def saved_tensors_hooks(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def dispatch_modes(self, region: Any, frame: Any = None) -> Tuple[TorchDispatchMode, TorchDispatchMode]:
-        return _RegionMode(region, frame), _RecomputeMode(region, frame)
-
     def run_checkpoint(self, function: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict,
-                       frame: Any, options: dict) -> Any:
-        region = frame.selective if frame is not None else None
-        if region is not None and not region.whole:
-            context_fn: Callable[[], Any] = lambda: self.dispatch_modes(region, frame)  # noqa: E731
-        elif options.get("debug"):
+                       context_fn: Callable[[], Tuple[Any, Any]], options: dict) -> Any:
+        if options.get("debug"):  # (whole-region only: check_checkpoint_options refuses a policy)
             context_fn = torch_ckpt.noop_context_fn  # debug mode insists on the default contexts
-        elif region is not None:
-            # Forward needs no dispatch mode; the recomputation keeps writes off outside state.
-            context_fn = lambda: (_WholeRegionForward(frame), _RecomputeMode(region, frame))  # noqa: E731
-        else:
-            context_fn = lambda: (_WholeRegionForward(frame), RegionMarker(recompute=True, frame=frame))  # noqa: E731
         return torch_ckpt.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn,
                                      **options, **kwargs)
+
+    def op_mode(self, handler: Callable[[Any, Tuple[Any, ...], dict], Any], around: Any) -> TorchDispatchMode:
+        return _OpMode(handler, around)
+
+    def session_hooks(self, boxes: Any) -> Any:
+        inner = _shim.innermost_saved_tensors_hooks()  # the checkpoint's own: this runs inside them
+        if inner is None:
+            return _NO_CONTEXT
+        pack, unpack = inner
+        return torch.autograd.graph.saved_tensors_hooks(functools.partial(boxes.pack, pack),
+                                                        functools.partial(boxes.unpack, unpack))
 
     def compiling(self) -> bool:
         return torch.compiler.is_compiling()
@@ -562,16 +451,10 @@ class TorchBackend(Backend):
     def is_module(self, x: Any) -> bool:
         return isinstance(x, torch.nn.Module)
 
-    def module_tensors(self, module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    def module_storage_ids(self, module: torch.nn.Module) -> Set[int]:
         # Called on every region call: read the live parameter/buffer dicts (FSDP2 swaps entries
         # of ``_parameters`` directly, ``_apply`` swaps storages), but skip ``named_modules``'
-        # name building; the caller makes a set, so a shared tensor seen twice does no harm. (A
-        # list, built in one comprehension: cheaper than a generator.)
-        return iter([t for m in _submodules(module) for d in (m._parameters, m._buffers)
-                     for t in d.values() if t is not None])
-
-    def module_storage_ids(self, module: torch.nn.Module) -> Set[int]:
-        # module_tensors and storage_id in one pass (one shim call for all the keys).
+        # name building; one shim call for all the keys (a shared tensor seen twice does no harm).
         return _shim.storage_keys([t for m in _submodules(module) for d in (m._parameters, m._buffers)
                                    for t in d.values() if t is not None])
 
