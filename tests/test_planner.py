@@ -4,7 +4,6 @@ model, measured with the live-storage meter (not the library's counters) and tra
 from __future__ import annotations
 
 import copy
-import gc
 import itertools
 import json
 import random
@@ -193,15 +192,12 @@ def _loss(model, seed):
 
 
 class _Setup:
-    """One profiled model (``profiled``), a spare copy always alive beside it (so that the CPU
-    meter sees the same live memory when a plan is measured on a copy as when it was profiled),
-    and the planner."""
+    """One profiled model (``profiled``) and the planner; plans are measured on fresh copies."""
 
     def __init__(self) -> None:
         torch.manual_seed(0)
         self.base = GPT(_CFG, seed=3)
         self.profiled = copy.deepcopy(self.base)
-        self.spare = copy.deepcopy(self.base)
         self.step = lambda: _loss(self.profiled, 0).backward()
         prober = active_prober()
         self.profile = prober.profile_step(list(self.profiled.layers), self.step)
@@ -209,19 +205,15 @@ class _Setup:
         self.minimum = self.planner.min_budget()[0]
 
     def measured(self, plan: MemoryPlan) -> int:
-        """The peak of one step of a fresh copy under ``plan``, as the CPU meter counts it, on
-        the profile's baseline (other tests' objects that died or appeared since the profile
-        shift the absolute count; the step's own memory is what a plan decides)."""
+        """The peak of one step of a fresh copy under ``plan``, as the CPU meter counts the memory
+        a step uses: the model's tensors and everything the step allocates."""
         model = copy.deepcopy(self.base)
-        self.spare = None  # the fresh copy takes the spare's place
         MemoryPlan.from_json(plan.to_json(), list(model.layers)).apply()
         _loss(model, 0).backward()  # (first step: the host pool)
         model.zero_grad(set_to_none=True)
-        gc.collect()  # (as the planner does before it profiles)
-        with MemoryMeter("cpu") as meter:
+        with MemoryMeter("cpu", track=[model], scan_gc=False) as meter:
             _loss(model, 0).backward()
-        self.spare = model
-        return meter.peak_bytes - meter.baseline_bytes + self.profile.baseline_bytes
+        return meter.peak_bytes
 
 
 @pytest.fixture(scope="module")

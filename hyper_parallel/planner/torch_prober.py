@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hyper_parallel.backends.torch.backend import TorchBackend
 from hyper_parallel.core.swap_manager import SwapManager
 from hyper_parallel.core.wrapping import checkpoint_wrapper, swap_wrapper
-from hyper_parallel.tools.memory import MemoryMeter, mark_host
+from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, mark_host
 
 from .options import LayerOption, OpKey, option_policy
 from .profile import Effect, LayerRecord, LayerType, OpRecord, RELATIONS, Segment, StepProfile
@@ -211,6 +211,7 @@ class _Recorder(TorchDispatchMode):
         # a storage's key can be reused once it died, so both forget it then.
         self.made_by: Dict[int, Tuple[int, OpRecord]] = {}
         self.created: Dict[int, Any] = {}
+        self.reached: Dict[int, int] = {}  # storages the step used that existed before it -> bytes
 
     def _made(self, key: int, storage: Any) -> None:
         def forget(_: Any, key: int = key) -> None:
@@ -229,6 +230,8 @@ class _Recorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.layout is torch.strided and not t.is_meta:
                 key = _storage_key(t)
                 inputs.add(key)
+                if key not in self.created and key not in self.reached and not is_host_storage(t):
+                    self.reached[key] = t.untyped_storage().nbytes()
                 if forward and t.requires_grad and t.is_leaf:
                     self.state.see_leaf(t)
         written = self.written(func, args, kwargs)  # (declared or not: BatchNorm's statistics)
@@ -333,7 +336,12 @@ class TorchProber:
             recorder.layer = None
             outputs[j] = id(_hidden(out))
 
-        gc.collect()  # (garbage in reference cycles would count as live memory of the step)
+        # On a CPU the step's memory is what it allocates (the meter's growth over every storage
+        # alive when it starts) plus what it reached that existed before (parameters, buffers,
+        # inputs, gradients it accumulates; found by the recorder), whatever else the process holds.
+        # An accelerator's allocator counts all of its memory.
+        cpu = device.type == "cpu"
+        gc.collect()  # (garbage in reference cycles would count as live memory)
         try:
             with MemoryMeter(device) as meter:
                 segments = _Segments(meter)
@@ -393,13 +401,17 @@ class TorchProber:
         types = self._layer_types(layers, records, captured)
         params = {_storage_key(p): p.untyped_storage().nbytes() for layer in [*layers] for p in layer.parameters()}
         param_bytes = sum(params.values())
+        before = sum(recorder.reached.values()) - meter.baseline_bytes if cpu else 0
+        for segment in segments.segments:
+            segment.start += before
+            segment.peak += before
         all_leaves = {_storage_key(leaf): leaf.untyped_storage().nbytes() for leaf, _ in state.leaves.values()}
         notes = []
         if not all(flows[1:]):
             notes.append("a layer's input is not the previous layer's output: the probes chain the layers anyway")
         return StepProfile(
             device=str(device), segments=segments.segments, layers=records, types=types,
-            baseline_bytes=meter.baseline_bytes, peak_bytes=meter.peak_bytes, step_s=step_s,
+            baseline_bytes=meter.baseline_bytes + before, peak_bytes=meter.peak_bytes + before, step_s=step_s,
             param_bytes=max(param_bytes, sum(all_leaves.values())), grad_bytes=sum(all_leaves.values()),
             copy_bytes_per_s=self.copy_bandwidth(device), overlaps=device.type != "cpu", notes=notes)
 
