@@ -235,3 +235,32 @@ def sweep_chart(path: str, axis: str, points: List[Dict[str, Any]], title: str) 
     ax1.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     _save(fig, path)
+
+
+def pareto_chart(path: str, models: List[Dict[str, Any]]) -> None:
+    """Step time against measured peak, one panel per model: the memory plans as a curve (in
+    budget order), PyTorch's sac_ilp plans as another, every fixed recipe as a labelled point.
+    ``models``: ``benchmarks/planner.py``'s per-model results (``rows`` with ``fwd_bwd_peak_bytes``
+    and ``step_time_s``)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.4), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        rows = m["rows"]
+        for prefix, style, label in (("plan@", "o-", "plan_memory"), ("sac_ilp@", "s--", "sac_ilp")):
+            pts = sorted((r["budget_bytes"], r["fwd_bwd_peak_bytes"] / MiB, r["step_time_s"] * 1e3)
+                         for n, r in rows.items() if n.startswith(prefix) and r.get("budget_bytes"))
+            if pts:
+                ax.plot([p[1] for p in pts], [p[2] for p in pts], style, label=label, alpha=0.85)
+        for n, r in rows.items():
+            if "@" in n:
+                continue
+            ax.plot(r["fwd_bwd_peak_bytes"] / MiB, r["step_time_s"] * 1e3, "D", color=_COLORS.get(r["who"], "k"))
+            ax.annotate(n, (r["fwd_bwd_peak_bytes"] / MiB, r["step_time_s"] * 1e3), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("measured peak of forward + backward (MiB)")
+        ax.set_ylabel("median forward + backward (ms)")
+        ax.set_title(m["model"], fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("memory plans against the fixed recipes", fontsize=10)
+    _save(fig, path)

@@ -16,7 +16,8 @@ What is measured, and how (see docs/benchmarks.md, "Method"):
   skips on a CPU tensor);
 * bytes moved per step: ours from ``SwapManager().stats()`` (offloaded, loaded, load launches),
   the peers' from the counters of their recipes;
-* time: the median of the timed forward + backward, and of its forward part;
+* time: the median of the timed forward + backward, and of its forward part (on
+  :func:`~hyper_parallel.tools.clock.step_clock`: the process's CPU time on a one-thread CPU);
 * optionally the calls the interpreter makes in one step (:class:`~hyper_parallel.bench.timing.counting_calls`),
   a Chrome trace of one step, copy-engine figures from it.
 """
@@ -31,16 +32,17 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyper_parallel.bench.model import GPT, GPTConfig, make_batch
-from hyper_parallel.bench.modes import RECIPES, ByteCounter, apply_variant
+from hyper_parallel.bench.modes import RECIPES, ByteCounter, Recipe
 from hyper_parallel.bench.timing import counting_calls, interleaved, median, synchronize
 from hyper_parallel.core.activation_checkpoint import SwapManager
+from hyper_parallel.tools.clock import no_gc, step_clock
 from hyper_parallel.tools.memory import MemoryMeter, is_host_storage
 
 __all__ = ["VariantRun", "RunResult", "COMPILED", "PHASES", "PhaseMeter", "build_variant", "run_variants", "summarize",
@@ -240,14 +242,17 @@ class PhaseMeter:
 
 # --------------------------------------------------------------------------- the steps
 
-def build_variant(name: str, base: nn.Module, device: torch.device, lr: float) -> VariantRun:
-    """A fresh copy of ``base`` (already on ``device``) set up as recipe ``name`` (``<recipe>+compile``:
-    then under ``torch.compile``).
+def build_variant(name: str, base: nn.Module, device: torch.device, lr: float,
+                  recipes: Mapping[str, Recipe] = RECIPES) -> VariantRun:
+    """A fresh copy of ``base`` (already on ``device``) set up as recipe ``name`` of ``recipes``
+    (``<recipe>+compile``: then under ``torch.compile``).
 
     Raises ``RuntimeError`` with the reason when the variant cannot run here."""
     recipe = name[:-len(COMPILED)] if name.endswith(COMPILED) else name
     model = copy.deepcopy(base)
-    counter = apply_variant(model, recipe, device=device)
+    if recipe not in recipes:
+        raise ValueError(f"unknown variant {recipe!r}; choose from {', '.join(recipes)}")
+    counter = recipes[recipe].apply(model, torch.device(device), None)
     # SGD without momentum keeps no optimizer state: the memory column is params + grads +
     # activations, and the models of all variants fit side by side in one process.
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -255,7 +260,7 @@ def build_variant(name: str, base: nn.Module, device: torch.device, lr: float) -
     if recipe != name:
         model = torch.compile(model)
     return VariantRun(name, recipe, model, opt, counter=counter, static_bytes=static,
-                      uses_manager=RECIPES[recipe].offloads and RECIPES[recipe].who == "ours")
+                      uses_manager=recipes[recipe].offloads and recipes[recipe].who == "ours")
 
 
 def _moved_so_far(v: VariantRun) -> Tuple[int, int, int]:
@@ -279,15 +284,17 @@ def train_step(v: VariantRun, batch: Tuple[torch.Tensor, ...], seed: int, device
     torch.manual_seed(seed)
     v.optimizer.zero_grad(set_to_none=True)
     before = _moved_so_far(v)
+    now = step_clock(device)
     synchronize(device)
-    t0 = time.perf_counter()
-    loss = v.model(*batch)
-    t1 = time.perf_counter()
-    if meter is not None:
-        meter.phase("forward")
-    loss.backward()
-    synchronize(device)
-    t2 = time.perf_counter()
+    with no_gc():
+        t0 = now()
+        loss = v.model(*batch)
+        t1 = now()
+        if meter is not None:
+            meter.phase("forward")
+        loss.backward()
+        synchronize(device)
+        t2 = now()
     if meter is not None:
         meter.phase("backward")
     v.optimizer.step()
@@ -350,6 +357,7 @@ def run_variants(names: Sequence[str], cfg: Optional[GPTConfig] = None, *, batch
                  metered: bool = True, count_calls: bool = False, trace_dir: Optional[str] = None,
                  profile_copies: bool = False, trace_gz: bool = False, base_model: Optional[nn.Module] = None,
                  batches: Optional[Callable[[int], Tuple[torch.Tensor, ...]]] = None,
+                 recipes: Optional[Mapping[str, Recipe]] = None,
                  log: Callable[[str], None] = print) -> RunResult:
     """Build every variant from one base model and run them interleaved.
 
@@ -363,7 +371,9 @@ def run_variants(names: Sequence[str], cfg: Optional[GPTConfig] = None, *, batch
 
     ``base_model``: the model to copy for every variant (moved to ``device`` / ``dtype`` in place;
     default a fresh ``GPT(cfg, seed)``). ``batches(i)``: step ``i``'s batch, a tuple the model is
-    called with (default ``make_batch(cfg, batch, seed + i)``)."""
+    called with (default ``make_batch(cfg, batch, seed + i)``). ``recipes``: where the names are
+    looked up (default ``RECIPES``; a script adds recipes of its own, e.g. memory plans)."""
+    recipes = RECIPES if recipes is None else recipes
     from hyper_parallel.bench.trace import analyze_copies, write_trace
 
     base = (base_model if base_model is not None else GPT(cfg, seed=seed)).to(device=device, dtype=dtype)
@@ -374,7 +384,7 @@ def run_variants(names: Sequence[str], cfg: Optional[GPTConfig] = None, *, batch
     errors: Dict[str, str] = {}
     for name in names:
         try:
-            variants[name] = build_variant(name, base, device, lr)
+            variants[name] = build_variant(name, base, device, lr, recipes)
         except Exception as exc:  # e.g. torchtune absent, or its constructor failing here
             skipped[name] = str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
             log(f"skipping {name}: {skipped[name]}")
@@ -424,7 +434,7 @@ def run_variants(names: Sequence[str], cfg: Optional[GPTConfig] = None, *, batch
                 log(f"variant {name} failed: {errors[name]}")
                 continue
             v.trace_path = path if trace_dir else None
-            if profile_copies and RECIPES[v.recipe].offloads and device.type != "cpu":
+            if profile_copies and recipes[v.recipe].offloads and device.type != "cpu":
                 try:
                     v.copy_engine = analyze_copies(path)
                 except Exception as exc:
@@ -439,9 +449,9 @@ def run_variants(names: Sequence[str], cfg: Optional[GPTConfig] = None, *, batch
     return RunResult(variants, skipped, errors)
 
 
-def summarize(v: VariantRun) -> Dict[str, Any]:
+def summarize(v: VariantRun, recipes: Mapping[str, Recipe] = RECIPES) -> Dict[str, Any]:
     """The JSON row of one variant."""
-    recipe = RECIPES[v.recipe]
+    recipe = recipes[v.recipe]
     return {
         "who": recipe.who,
         "description": recipe.what,

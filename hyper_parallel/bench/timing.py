@@ -1,7 +1,9 @@
 """Timing for every benchmark: one device synchronisation and one interleaved-median timer.
 
 * :func:`synchronize` waits for the device's queued work (nothing to wait for on CPU);
-* :func:`timed` runs a callable between two synchronisations and returns its wall time;
+* :func:`timed` runs a callable between two synchronisations and returns its time, on the clock of
+  :func:`hyper_parallel.tools.clock.step_clock` (the process's CPU time on a one-thread CPU, else
+  the wall clock);
 * :func:`interleaved` is the order of an interleaved measurement: one step of every variant per
   round, the order reversed every other round, so that machine noise (and a position bias) hits
   all variants alike; :func:`median` reads the times;
@@ -17,6 +19,8 @@ import time
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
+
+from hyper_parallel.tools.clock import no_gc, step_clock
 
 __all__ = ["synchronize", "timed", "interleaved", "median", "counting_calls"]
 
@@ -40,11 +44,13 @@ def synchronize(device: Any = None) -> None:
 
 def timed(fn: Callable[[], Any], device: Any = None) -> Tuple[Any, float]:
     """``(fn(), seconds)``, the device synchronised before and after."""
+    now = step_clock(device if device is not None else "cpu")
     synchronize(device)
-    t0 = time.perf_counter()
-    out = fn()
-    synchronize(device)
-    return out, time.perf_counter() - t0
+    with no_gc():
+        t0 = now()
+        out = fn()
+        synchronize(device)
+        return out, now() - t0
 
 
 def interleaved(names: Sequence[str], rounds: int) -> Iterator[Tuple[int, str]]:
