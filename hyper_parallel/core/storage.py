@@ -40,6 +40,8 @@ class Storage:
         # is why ``swap_tensors`` keeps every SwapTensor ever made.
         self._on_device: Dict[int, SwapTensor] = {}
         self.save_bytes = 0
+        #: ``[bytes of its swap candidates]``: outlives the storage (its finalizer reads it)
+        self.candidate_tally = [0]
         self._unscanned_bytes = 0  # saved since the last look for dropped tensors
         self._held_bytes = 0       # still held by the forward at the last look
 
@@ -58,6 +60,7 @@ class Storage:
         if st is not None and st.unmoved:
             return SwapView(st, st.add_alias(facts), self)
         st = SwapTensor(self.group, facts)
+        self.candidate_tally[0] += st.nbytes
         self._on_device[facts.key] = st
         self.swap_tensors.append(st)
         view = SwapView(st, 0, self)

@@ -24,7 +24,8 @@ def _by_device(tensors: List[SwapTensor]) -> Dict[Any, List[SwapTensor]]:
 
 
 #: The counters of a group that add up (``GroupStats.merge``), besides ``kept_bytes``.
-_COUNTERS = ("offloaded_bytes", "loaded_bytes", "wait_offload_s", "wait_load_s", "offload_launches", "load_launches")
+_COUNTERS = ("offloaded_bytes", "loaded_bytes", "wait_offload_s", "wait_load_s", "offload_launches", "load_launches",
+             "unscheduled_bytes")
 
 
 class GroupStats:
@@ -45,6 +46,9 @@ class GroupStats:
         self.wait_load_s = 0.0
         self.offload_launches = 0
         self.load_launches = 0
+        #: swap candidates whose storage died while nothing had ever offloaded their group (they
+        #: stayed on the device, as SAVE: no layer chain, no launch_offload)
+        self.unscheduled_bytes = 0
 
     def keep(self, reason: KeepReason, nbytes: int) -> None:
         self.kept_bytes[reason] += nbytes

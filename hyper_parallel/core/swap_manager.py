@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .backend import Backend, active_backend
 from .host_pool import HostBufferPool
@@ -36,7 +37,7 @@ class _Locked:
         m.lock.acquire()
         try:
             while m._deferred:
-                m._forget_if_empty(m._deferred.pop())
+                m._storage_gone(*m._deferred.pop())
         except BaseException:
             m.lock.release()
             raise
@@ -101,7 +102,8 @@ class SwapManager:
         #: ``with manager._locked:``, the manager's lock; entering it first forgets the groups whose
         #: last storage died while the lock was held elsewhere
         self._locked = _Locked(self)
-        self._deferred: List[str] = []  # groups whose last storage died while the lock was held
+        # (group, tally) of storages that died while the lock was held
+        self._deferred: List[Tuple[str, List[int]]] = []
         self._chain = LayerChain(self)  # cleared, never replaced: it may still receive hook calls
         self._start()
 
@@ -127,6 +129,7 @@ class SwapManager:
         self._prefetch_budget: Any = _AUTO
         self._bucket_bytes = 0  # bucketed copies are opt-in (see set_bucket_bytes)
         self._pool = HostBufferPool(self.backend)  # (a new pool: the host limit goes back to "none" too)
+        self._warned_unscheduled = False
 
     # ------------------------------------------------------------------ groups
     def _group(self, name: str, create: bool = False, persistent: bool = False) -> SwapGroup:
@@ -175,19 +178,37 @@ class SwapManager:
         """``add_storage`` once the arguments are known good and the lock is held (``new``: made
         by ``new_storage`` just now)."""
         group.add(storage, new)
-        weakref.finalize(storage, self._forget_later, group.name)
+        weakref.finalize(storage, self._forget_later, group.name, storage.candidate_tally)
 
-    def _forget_later(self, name: str) -> None:
-        """Finalizer of a storage: :meth:`_forget_if_empty` now if the lock is free (or held by
-        this thread), else at the next public call that takes it through ``_locked`` (a finalizer
-        must never block: the thread holding the lock may be waiting for this one's)."""
+    def _forget_later(self, name: str, tally: List[int]) -> None:
+        """Finalizer of a storage: :meth:`_storage_gone` now if the lock is free (or held by this
+        thread), else at the next public call that takes it through ``_locked`` (a finalizer must
+        never block: the thread holding the lock may be waiting for this one's)."""
         if self.lock.acquire(blocking=False):
             try:
-                self._forget_if_empty(name)
+                self._storage_gone(name, tally)
             finally:
                 self.lock.release()
         else:
-            self._deferred.append(name)
+            self._deferred.append((name, tally))
+
+    def _storage_gone(self, name: str, tally: List[int]) -> None:
+        """A storage of group ``name`` died holding ``tally[0]`` bytes of swap candidates. If
+        nothing ever offloaded that group (no layer chain, no ``launch_offload``), they stayed on
+        the device: counted as unscheduled, and said once."""
+        group = self._groups.get(name)
+        if tally[0] and group is not None and not group.persistent and not group.stats.offload_launches:
+            group.stats.unscheduled_bytes += tally[0]
+            if not self._warned_unscheduled:
+                self._warned_unscheduled = True
+                warnings.warn(
+                    f"hyper_parallel: {tally[0]} bytes of swap candidates (swap_wrapper, MUST_SWAP or swap_inputs) in "
+                    f"swap group {name!r} stayed on the device because nothing offloads that group: chain the layers "
+                    "(wrap_layers, or SwapManager().set_forward_prefetch_layer) or schedule the group "
+                    f"(SwapManager().launch_offload({name!r}) / wait_offload / launch_load / wait_load). They were "
+                    "kept as with SAVE; stats()['unscheduled_bytes'] counts them. (Said once per process.)",
+                    UserWarning, stacklevel=2)
+        self._forget_if_empty(name)
 
     def _forget_if_empty(self, name: str) -> None:
         """Called when a storage of group ``name`` dies (and after waits). A group whose storages
@@ -484,11 +505,31 @@ class SwapManager:
                             "limit_bytes": self._pool.limit_bytes}
         return out
 
+    def reset_stats(self) -> None:
+        """Forget the statistics only (``stats()`` counts from zero again); groups, the layer
+        chain, the host pool and every setting stay. :meth:`reset` removes all of them.
+
+        Example::
+
+            >>> SwapManager().reset_stats()
+            >>> SwapManager().stats()["offloaded_bytes"]
+            0
+        """
+        with self._locked:
+            self._stats = {}
+            for name, group in self._groups.items():
+                group.stats = self._stats[name] = GroupStats()
+            self._retired_stats = GroupStats()
+            self._retired_groups = 0
+            self._recent_retired.clear()
+
     def reset(self) -> None:
-        """Forget every group, the layer chain (its hooks are removed), the statistics, the
-        pooled host buffers and the host memory limit. For tests, tools and recovery after a failed step. Tensors of regions
-        still alive are first brought back to the device (synchronously), so such a region's
-        backward still works, as with SAVE."""
+        """Forget every group, the layer chain (its hooks are removed: chained layers are no longer
+        offloaded or prefetched), the statistics, the pooled host buffers and every setting (host
+        memory limit, prefetch budget, bucket size). For tests, tools and recovery after a failed
+        step; to clear the statistics alone, :meth:`reset_stats`. Tensors of regions still alive
+        are first brought back to the device (synchronously), so such a region's backward still
+        works, as with SAVE."""
         with self._locked:
             for group in list(self._groups.values()):
                 group.settle()
