@@ -103,7 +103,9 @@ class MemoryPlan:
                                  f"({kind}); the plan wraps the layers itself. Plan (and apply) on the unwrapped model.")
         self.applied = True
         for choice, layer in zip(self.choices, self.layers):
-            self._prober.wrap(layer, choice.option, self.seen.get(choice.type_key, ()))
+            policy = self._prober.wrap(layer, choice.option, self.seen.get(choice.type_key, ()))
+            if policy is not None:
+                self.policies.append(policy)
         if self.swaps:
             manager = SwapManager()
             for first, second in zip(self.layers, list(self.layers)[1:]):

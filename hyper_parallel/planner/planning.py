@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from hyper_parallel.core.swap_manager import SwapManager
+
 from . import candidates as cand
 from . import solver
 from .budget import format_bytes, parse_budget
@@ -194,7 +196,8 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
     A budget below what any plan reaches is a ``ValueError`` stating the minimum and what makes it
     up; a budget above the step's peak with every layer left as it is gives a plan that wraps
     nothing. The returned plan is not applied: call ``plan.apply()``. Planning probes copies of
-    each kind of layer alone (a few seconds on small models) and resets ``SwapManager`` statistics.
+    each kind of layer alone (a few seconds on small models) and resets ``SwapManager``'s
+    statistics (``reset_stats``) when done.
 
     Example::
 
@@ -219,7 +222,9 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
         raise TypeError(f"plan_memory: step_fn must be a zero-argument callable running one forward + backward, "
                         f"got {step_fn!r}")
     profile = prober.profile_step(stack, step_fn)
-    return Planner(stack, profile, prober, resolution).plan(budget_bytes)
+    plan = Planner(stack, profile, prober, resolution).plan(budget_bytes)
+    SwapManager().reset_stats()  # (the probes' traffic is not the user's)
+    return plan
 
 
 def _layer_list(layers: Any, prober: Any) -> List[Any]:

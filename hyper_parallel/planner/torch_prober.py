@@ -279,13 +279,14 @@ class TorchProber:
     def is_layer(x: Any) -> bool:
         return isinstance(x, torch.nn.Module)
 
-    def wrap(self, layer: torch.nn.Module, option: LayerOption, seen: Sequence[OpKey]) -> None:
-        """Wrap ``layer`` in place for ``option`` through the public API."""
+    def wrap(self, layer: torch.nn.Module, option: LayerOption, seen: Sequence[OpKey]) -> Any:
+        """Wrap ``layer`` in place for ``option`` through the public API; the generated policy."""
         policy = option_policy(option, seen, self.key_of, self.nbytes)
         if option.kind == "swap":
             swap_wrapper(layer, policy_fn=policy)
         elif option.kind == "checkpoint":
             checkpoint_wrapper(layer, policy_fn=policy, swap_inputs=option.swap_inputs)
+        return policy
 
     @staticmethod
     def device_of(layers: Sequence[torch.nn.Module]) -> torch.device:
@@ -618,11 +619,14 @@ class _ProbeInput:
         x = args[0]
         self.device = x.device
         self.requires_grad = x.requires_grad
-        self._host = tree_map(_to_host, (args, kwargs))
+        self._host = copy.deepcopy(tree_map(_to_host, (args, kwargs)))  # (its own copy of other objects)
 
     def inputs(self) -> Tuple[torch.Tensor, tuple, dict]:
-        """The input on the device: ``(activation, other arguments, keyword arguments)``."""
-        args, kwargs = tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, self._host)
+        """The input on the device: ``(activation, other arguments, keyword arguments)``. Other
+        objects among them are fresh copies for every run (a cache a layer appends to must not
+        grow from probe to probe)."""
+        args, kwargs = tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t,
+                                copy.deepcopy(self._host))
         return args[0], tuple(args[1:]), kwargs
 
     def forward(self, layer: torch.nn.Module) -> Any:

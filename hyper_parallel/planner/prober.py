@@ -1,0 +1,63 @@
+"""What the planner asks of a framework: the ``Prober`` protocol.
+
+The planner's core (options, cost model, solver, plans) imports no framework; one prober per
+framework supplies the rest, and the public API module binds the one of the selected framework
+(``hyper_parallel.planner.set_prober``), as it binds the engine's backend.
+``hyper_parallel.planner.torch_prober.TorchProber`` is PyTorch's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple
+
+from .options import LayerOption, OpKey
+from .profile import Effect, LayerType, StepProfile
+
+__all__ = ["Prober"]
+
+
+class Prober(Protocol):
+    """The framework part of the planner."""
+
+    #: the framework's name (``"torch"``, ``"mindspore"``), stored in plans
+    name: str
+
+    def profile_step(self, layers: Sequence[Any], step_fn: Callable[[], Any]) -> StepProfile:
+        """Call ``step_fn`` at most twice and return the step's profile: the memory timeline cut
+        into segments at layer boundaries (``pre``, then per layer ``fwd j`` and ``gap j``, then
+        ``bwd j`` from the last layer to the first, each with the bytes live at its start and its
+        peak, absolute), each layer's forward op calls (:class:`~hyper_parallel.planner.profile.OpRecord`:
+        key, new bytes, saved by autograd, mutating, matmul-like), the sizes of the storages
+        autograd saved per layer, the layers grouped into :class:`LayerType` s (each keeping what
+        :meth:`probe` needs to run its first layer alone), the step's time, the copy bandwidth and
+        whether copies overlap compute. Everything the step changed is put back."""
+        ...
+
+    def probe(self, ltype: LayerType, option: LayerOption, seen: Sequence[OpKey],
+              reference: Optional[Any] = None) -> Tuple[Effect, Any]:
+        """Measure ``option`` on copies of ``ltype``'s layer, chained through the layer chain:
+        the bytes it changes in each relation of ``profile.RELATIONS`` and its seconds per step,
+        against copies left as they are (``reference``: what a previous call returned for them,
+        to reuse). Leaves the program as it found it."""
+        ...
+
+    def op_seconds(self, ltype: LayerType) -> Dict[OpKey, float]:
+        """Forward seconds of each op kind of ``ltype``'s layer (summed over its calls)."""
+        ...
+
+    def key_of(self, op: Any, args: Tuple[Any, ...]) -> OpKey:
+        """The :class:`OpKey` of an op call, as a selective region's policy sees it."""
+        ...
+
+    def nbytes(self, tensor: Any) -> int:
+        """Bytes of the storage a saved tensor views."""
+        ...
+
+    def is_layer(self, x: Any) -> bool:
+        """Whether ``x`` is a module / cell."""
+        ...
+
+    def wrap(self, layer: Any, option: LayerOption, seen: Sequence[OpKey]) -> Any:
+        """Wrap ``layer`` in place for ``option`` through the public API; returns the generated
+        policy (or ``None``)."""
+        ...
