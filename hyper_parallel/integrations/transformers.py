@@ -56,7 +56,7 @@ from hyper_parallel.core.activation_checkpoint import wrap_layers
 from hyper_parallel.core.wrapping import SelfCheckpointing, register_self_checkpointing
 from hyper_parallel.integrations.layer_stack import find_layer_stack
 
-__all__ = ["wrap_model", "HF_LAYERS"]
+__all__ = ["checkpoint_above", "wrap_model", "HF_LAYERS"]
 
 
 def _wrapper_name(kind: str) -> str:
@@ -213,8 +213,17 @@ def wrap_model(model: nn.Module, *, policy_fn: Any = None, swap: bool = False, s
     wrap_layers(layers, policy_fn=policy_fn, swap=swap, swap_policy_fn=swap_policy_fn, swap_inputs=swap_inputs,
                 chain=chain)
     if not swap:
-        for module in above:
-            if hasattr(module, "gradient_checkpointing") and not isinstance(module, GradientCheckpointingLayer):
-                module.gradient_checkpointing = True
-                module._gradient_checkpointing_func = _checkpointed_by_the_layers
+        checkpoint_above(model, items)
     return model
+
+
+def checkpoint_above(model: nn.Module, layers: Any) -> None:
+    """Give the model-level modules above ``layers`` (a stack of ``model`` some of whose layers are
+    checkpointed) Hugging Face's ``gradient_checkpointing`` flag, so that the model trains with the
+    cache rules of Hugging Face's own gradient checkpointing (what :func:`wrap_model` does for
+    recompute; the memory planner does it for a plan that recomputes some layers)."""
+    items = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    for module in _modules_above(model, items[0]):
+        if hasattr(module, "gradient_checkpointing") and not isinstance(module, GradientCheckpointingLayer):
+            module.gradient_checkpointing = True
+            module._gradient_checkpointing_func = _checkpointed_by_the_layers

@@ -17,53 +17,57 @@ copies that does not overlap compute, the engine's bookkeeping), as the probes m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Container, List, Optional, Sequence, Tuple
 
 from .profile import Effect, Segment, StepProfile
 
 __all__ = ["relation", "Prediction", "predict", "segment_bytes"]
 
 
-def relation(i: int, segment: Segment, layers: int) -> Optional[Tuple[Tuple[str, int], ...]]:
+def relation(i: int, segment: Segment, layers: int, held: Container[int] = ()
+             ) -> Optional[Tuple[Tuple[str, int], ...]]:
     """How layer ``i`` (of ``layers``) stands to ``segment``: the relations whose effects add up
-    there, with their signs (``None``: the segment is before the layer ran)."""
+    there, with their signs (``None``: the segment is before the layer ran).
+
+    The layer chain offloads a layer's input (skipped while the caller still held it) when the
+    layer after next ends. Where that never frees it, the layer keeps the state of the next
+    layer's forward (``fwd_age1``) from then on: the second to last layer (nothing ends after the
+    last), and a layer whose input the model itself holds on to (``held``: the first layer of a
+    Hugging Face model, whose embeddings its forward keeps). Its backward, and the one of the
+    layer after it, then also hold that input (``fwd_age1 - old`` more)."""
     kind, j = segment.kind, segment.layer
     last = i == layers - 1
+    unretried = i == layers - 2 or i in held
     if kind == "pre":
         return None
-    if kind == "fwd":
-        if j < i:
-            return None
-        if j == i:
-            return (("last_fwd" if last else "own_fwd", 1),)
-        return (("fwd_age1" if j == i + 1 else "old", 1),)
-    if kind == "gap":
-        if j < i:
-            return None
-        if j == i:
-            return (("last_head" if last else "own_gap", 1),)
-        # The layer chain retries a layer's skipped input when the layer after next ends; after
-        # the last layer nothing does, so the second to last keeps the state of the next layer's
-        # forward from then on.
-        return (("fwd_age1" if j == layers - 1 and i == layers - 2 else "old", 1),)
+    if kind in ("fwd", "gap") and j < i:
+        return None
+    if kind == "fwd" and j == i:
+        return (("last_fwd" if last else "own_fwd", 1),)
+    if kind == "gap" and j == i:
+        return (("last_head" if last else "own_gap", 1),)
+    if kind == "fwd" and j == i + 1:
+        return (("fwd_age1", 1),)
+    if kind in ("fwd", "gap"):
+        return (("fwd_age1" if unretried else "old", 1),)
     # kind == "bwd"
-    if j == i:
-        if last:
-            return (("last_bwd", 1),)
-        if i == layers - 2:  # its input was never retried (see above): still on the device
-            return (("own_bwd", 1), ("fwd_age1", 1), ("old", -1))
-        return (("own_bwd", 1),)
     if j < i:
         return (("after", 1),)
-    return (("bwd_prev" if j == i + 1 else "old", 1),)
+    if j == i and last:
+        return (("last_bwd", 1),)
+    if j > i + 1:
+        return (("fwd_age1" if unretried else "old", 1),)
+    name = "own_bwd" if j == i else "bwd_prev"
+    return ((name, 1), ("fwd_age1", 1), ("old", -1)) if unretried else ((name, 1),)
 
 
-def segment_bytes(segment: Segment, effects: Sequence[Effect]) -> int:
-    """The predicted peak of ``segment`` when layer ``i`` has ``effects[i]``."""
+def segment_bytes(segment: Segment, effects: Sequence[Effect], held: Container[int] = ()) -> int:
+    """The predicted peak of ``segment`` when layer ``i`` has ``effects[i]`` (``held``: see
+    :func:`relation`)."""
     total = segment.peak
     n = len(effects)
     for i, effect in enumerate(effects):
-        rel = relation(i, segment, n)
+        rel = relation(i, segment, n, held)
         if rel is not None:
             total += sum(sign * effect.bytes[name] for name, sign in rel)
     return total
@@ -83,8 +87,9 @@ def predict(profile: StepProfile, effects: Sequence[Effect]) -> Prediction:
     if len(effects) != len(profile.layers):
         raise ValueError(f"predict: {len(effects)} effects for {len(profile.layers)} layers")
     peak, where = -1, ""
+    held = profile.held_inputs()
     for segment in profile.segments:
-        value = segment_bytes(segment, effects)
+        value = segment_bytes(segment, effects, held)
         if value > peak:
             peak, where = value, segment.name
     return Prediction(int(peak), where, profile.step_s + sum(e.seconds for e in effects))
@@ -94,7 +99,7 @@ def breakdown(profile: StepProfile, effects: Sequence[Effect], where: str) -> Li
     """What the bytes of segment ``where`` are made of, for messages: live at the step's start
     (of which parameters), gradients, and the rest (activations and the running layer's work)."""
     segment = next(s for s in profile.segments if s.name == where)
-    total = segment_bytes(segment, effects)
+    total = segment_bytes(segment, effects, profile.held_inputs())
     grads = profile.grad_bytes if segment.kind == "bwd" else 0
     start = profile.baseline_bytes
     return [("parameters", profile.param_bytes),

@@ -83,6 +83,9 @@ class MemoryPlan:
         self.probes = probes
         self.applied = False
         self.policies: List[Any] = []
+        #: the model the stack was found in (``plan_memory(model, ...)``) and its attribute path
+        self.model: Any = None
+        self.stack_path: Optional[str] = None
 
     # ------------------------------------------------------------------ applying
     @property
@@ -106,6 +109,7 @@ class MemoryPlan:
             policy = self._prober.wrap(layer, choice.option, self.seen.get(choice.type_key, ()))
             if policy is not None:
                 self.policies.append(policy)
+        self._prober.after_wrap(self.model, self.layers, any(c.option.kind == "checkpoint" for c in self.choices))
         if self.swaps:
             manager = SwapManager()
             for first, second in zip(self.layers, list(self.layers)[1:]):
@@ -169,15 +173,16 @@ class MemoryPlan:
                "peak_at": self.peak_at, "predicted_step_s": self.predicted_step_s,
                "lower_bound_step_s": self.lower_bound_step_s, "min_budget_bytes": self.min_budget_bytes,
                "reference_peak_bytes": self.reference_peak_bytes, "reference_step_s": self.reference_step_s,
-               "notes": self.notes, "probes": self.probes,
+               "notes": self.notes, "probes": self.probes, "stack_path": self.stack_path,
                "layers": [c.to_json() for c in self.choices],
                "seen": {k: [key.to_json() for key in keys] for k, keys in sorted(self.seen.items())}}
         return json.dumps(doc, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str, layers: Sequence[Any], prober: Optional[Any] = None) -> "MemoryPlan":
+    def from_json(cls, text: str, layers: Any, prober: Optional[Any] = None) -> "MemoryPlan":
         """The plan stored by :meth:`to_json`, for ``layers`` (the same stack, or another copy of
-        it). ``prober``: the framework's planner part (default: the active one)."""
+        it; or the model holding it). ``prober``: the framework's planner part (default: the
+        active one)."""
         doc = json.loads(text)
         if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
             raise ValueError(f"MemoryPlan.from_json: not a memory plan (expected format {PLAN_FORMAT!r})")
@@ -185,7 +190,14 @@ class MemoryPlan:
         if doc["framework"] != prober.name:
             raise ValueError(f"MemoryPlan.from_json: the plan was made on {doc['framework']}, this process runs "
                              f"{prober.name}")
-        layers = list(layers)
+        model = None
+        if prober.is_layer(layers) and not prober.is_stack(layers):
+            model = layers
+            path, layers = prober.find_layers(model)
+            if doc.get("stack_path") not in (None, path):
+                raise ValueError(f"MemoryPlan.from_json: the plan is for the stack {doc['stack_path']!r}, the model's "
+                                 f"is {path!r}")
+        layers = list(layers.values()) if hasattr(layers, "values") and hasattr(layers, "keys") else list(layers)
         choices = [LayerChoice.from_json(c) for c in doc["layers"]]
         if len(choices) != len(layers):
             raise ValueError(f"MemoryPlan.from_json: the plan is for {len(choices)} layers, the stack has {len(layers)}")
@@ -195,7 +207,11 @@ class MemoryPlan:
                    predicted_step_s=doc["predicted_step_s"], lower_bound_step_s=doc["lower_bound_step_s"],
                    min_budget_bytes=doc["min_budget_bytes"], reference_peak_bytes=doc["reference_peak_bytes"],
                    reference_step_s=doc["reference_step_s"], device=doc["device"], notes=doc.get("notes", ()),
-                   probes=doc.get("probes", 0))
+                   probes=doc.get("probes", 0))._found_in(model, doc.get("stack_path"))
+
+    def _found_in(self, model: Any, path: Optional[str]) -> "MemoryPlan":
+        self.model, self.stack_path = model, path
+        return self
 
 
 # The framework's planner part, bound by the public API module (as the engine's backend is).

@@ -90,7 +90,7 @@ class Planner:
                 opts = [o for o in opts if (record.type_key, o) in self.effects]
             per_layer.append(opts)
             effects.append([self.effect(record.type_key, o) for o in opts])
-        return solver.Problem(self.profile.segments, effects), per_layer
+        return solver.Problem(self.profile.segments, effects, self.profile.held_inputs()), per_layer
 
     def _solve(self, chooser: Callable[[solver.Problem], Optional[List[int]]]) -> Optional[List[LayerOption]]:
         """Solve, probe the options the solution uses that are still modelled, and solve again
@@ -182,8 +182,12 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
     """Choose SAVE / RECOMPUTE / SWAP for every layer of ``layers`` so that one ``step_fn()`` peaks
     at most at ``budget`` bytes of device memory, as fast as the options allow.
 
-    - ``layers``: the model's layer stack (``nn.ModuleList``, ``nn.Sequential`` or a list), not
-      wrapped yet; ``model.model.layers`` in Hugging Face decoders, ``model.transformer.h`` in GPT-2.
+    - ``layers``: the model's layer stack (``nn.ModuleList``, ``nn.ModuleDict``, ``nn.Sequential``
+      or a list), not wrapped yet: ``model.model.layers`` in Hugging Face decoders,
+      ``model.transformer.h`` in GPT-2; or the model itself, whose stack is found as
+      ``find_layer_stack`` finds it (the longest ``ModuleList`` / ``ModuleDict`` of blocks of one
+      class; the report names it; none, or two of the same length, is a ``ValueError``). A Hugging
+      Face model needs ``hyper_parallel.integrations.transformers`` imported.
     - ``step_fn()``: one training forward + backward, as the training loop runs it (no optimizer
       step). The planner calls it twice (once instrumented, once timed) and puts back what it
       changed: the parameters' gradients, tensors it wrote in place (BatchNorm statistics) and the
@@ -217,12 +221,19 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
     """
     prober = prober if prober is not None else active_prober()
     budget_bytes = parse_budget(budget)
+    model, path = None, None
+    if prober.is_layer(layers) and not prober.is_stack(layers):
+        model = layers
+        path, layers = prober.find_layers(model)
     stack = _layer_list(layers, prober)
     if not callable(step_fn):
         raise TypeError(f"plan_memory: step_fn must be a zero-argument callable running one forward + backward, "
                         f"got {step_fn!r}")
     profile = prober.profile_step(stack, step_fn)
     plan = Planner(stack, profile, prober, resolution).plan(budget_bytes)
+    if model is not None:
+        plan.model, plan.stack_path = model, path
+        plan.notes.insert(0, f"layer stack: {type(model).__name__}.{path} ({len(stack)} x {type(stack[0]).__name__})")
     SwapManager().reset_stats()  # (the probes' traffic is not the user's)
     return plan
 

@@ -57,6 +57,19 @@ class Prober(Protocol):
         """Whether ``x`` is a module / cell."""
         ...
 
+    def is_stack(self, x: Any) -> bool:
+        """Whether ``x`` is a layer stack itself (a list of layers) rather than a model."""
+        ...
+
+    def find_layers(self, model: Any) -> Tuple[str, Sequence[Any]]:
+        """A model's layer stack: its attribute path and layers (a clear error if none)."""
+        ...
+
+    def after_wrap(self, model: Any, layers: Sequence[Any], recomputes: bool) -> None:
+        """What the model around a planned stack needs once its layers are wrapped (``model`` is
+        ``None`` when a stack was planned)."""
+        ...
+
     def wrap(self, layer: Any, option: LayerOption, seen: Sequence[OpKey]) -> Any:
         """Wrap ``layer`` in place for ``option`` through the public API; returns the generated
         policy (or ``None``)."""

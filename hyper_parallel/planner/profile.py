@@ -65,6 +65,9 @@ class LayerRecord:
     input_bytes: int         # bytes of its input activation
     forward_s: float = 0.0
     backward_s: float = 0.0
+    #: the model still held its input when the next layer ended (the first layer of a Hugging
+    #: Face model: its forward keeps the embeddings), so the layer chain cannot offload it
+    input_held: bool = False
 
 
 @dataclass
@@ -125,3 +128,7 @@ class StepProfile:
 
     def type_of(self, layer: int) -> LayerType:
         return self.types[self.layers[layer].type_key]
+
+    def held_inputs(self) -> frozenset:
+        """The layers whose input the model holds on to (``LayerRecord.input_held``)."""
+        return frozenset(r.index for r in self.layers if r.input_held)

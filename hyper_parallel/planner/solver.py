@@ -40,6 +40,12 @@ class Problem:
 
     segments: Sequence[Segment]
     options: Sequence[Sequence[Effect]]
+    held: frozenset = frozenset()  # layers whose input the model holds (cost.relation)
+
+    def carried(self, i: int, effect: Effect) -> float:
+        """What layer ``i`` with ``effect`` adds to the segments after the next layer's (``T``)."""
+        unretried = i == self.layers - 2 or i in self.held
+        return float(effect.bytes["fwd_age1" if unretried else "old"])
 
     @property
     def layers(self) -> int:
@@ -62,12 +68,13 @@ def _layer_constraints(problem: Problem) -> List[List[Tuple[float, Tuple[Tuple[s
         # the last layer whose relation to s is not "after": s is decided once it is placed
         owner = j
         constant = s.peak + sum(worst_after[i] for i in range(owner + 1, n))
-        prev = relation(owner - 1, s, n) if owner >= 1 else None
-        own = relation(owner, s, n) or ()
+        prev = relation(owner - 1, s, n, problem.held) if owner >= 1 else None
+        own = relation(owner, s, n, problem.held) or ()
         for i in range(owner - 1):
-            rel = relation(i, s, n)
-            if rel is not None and rel != (("old", 1),):
-                raise AssertionError(f"segment {s.name}: layer {i} stands {rel}, not 'old'")
+            rel = relation(i, s, n, problem.held)
+            carried = "fwd_age1" if i == n - 2 or i in problem.held else "old"
+            if rel is not None and rel != ((carried, 1),):
+                raise AssertionError(f"segment {s.name}: layer {i} stands {rel}, not {carried!r}")
         per_layer[owner].append((constant, prev or (), own))
     return per_layer
 
@@ -88,7 +95,7 @@ class _Grid:
     of ``layers`` steps on either side."""
 
     def __init__(self, problem: Problem, resolution: int, up: bool) -> None:
-        olds = [[e.bytes["old"] for e in opts] for opts in problem.options]
+        olds = [[problem.carried(i, e) for e in opts] for i, opts in enumerate(problem.options)]
         low = float(min(0, sum(min(o) for o in olds)))
         high = float(max(0, sum(max(o) for o in olds)))
         self.step = max(high - low, 1.0) / max(1, resolution)
@@ -157,7 +164,7 @@ def _run(problem: Problem, budget: Optional[float], resolution: int, up: bool, m
         # (ties go to the earlier option: the options of a layer come simplest first)
         seconds = np.array([e.seconds for e in opts]) + _TIE * np.arange(len(opts))
         c = _constant_matrix(constraints[j], prev, opts)
-        move = [grid.cells(pe.bytes["old"]) if pe is not None else 0 for pe in prev]
+        move = [grid.cells(problem.carried(j - 1, pe)) if pe is not None else 0 for pe in prev]
         stacked = np.full((len(prev), len(opts), grid.size), _INF)
         for p in range(len(prev)):
             row = value[p]
@@ -225,7 +232,7 @@ def _matrices(problem: Problem, budget: float):
     for s in problem.segments:
         row = np.zeros(total)
         for i in range(n):
-            rel = relation(i, s, n)
+            rel = relation(i, s, n, problem.held)
             if rel is None:
                 continue
             for k, e in enumerate(problem.options[i]):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import sys
 import time
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -40,6 +41,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hyper_parallel.backends.torch.backend import TorchBackend
 from hyper_parallel.core.swap_manager import SwapManager
 from hyper_parallel.core.wrapping import checkpoint_wrapper, swap_wrapper
+from hyper_parallel.integrations import find_layer_stack
 from hyper_parallel.tools.clock import no_gc, step_clock
 from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, mark_host
 
@@ -56,8 +58,13 @@ EXPENSIVE_OPS = frozenset(str(op) for op in (
     _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default, _aten.convolution.default,
 ))
-_RNG_DEVICES: Tuple[str, ...] = ()
+#: imported by a program that trains Hugging Face models (it imports transformers, so not here)
+_HF_INTEGRATION = "hyper_parallel.integrations.transformers"
 _PROBE_REPEATS = 3
+#: Bytes added to every relation of a wrapped layer's effect: the small allocations of the engine
+#: and of the framework's checkpoint around a wrapped layer (random-number states, handles), a few
+#: hundred bytes that two peaks measured at different moments can miss.
+SLACK_BYTES = 4 << 10
 
 
 _clock = step_clock  # (steps, probes and ops are timed as the benchmarks time them)
@@ -279,6 +286,34 @@ class TorchProber:
     def is_layer(x: Any) -> bool:
         return isinstance(x, torch.nn.Module)
 
+    @staticmethod
+    def is_stack(x: Any) -> bool:
+        """Whether ``x`` is a layer stack itself rather than a model holding one."""
+        return isinstance(x, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict, list, tuple))
+
+    @staticmethod
+    def find_layers(model: torch.nn.Module) -> Tuple[str, List[torch.nn.Module]]:
+        """The layer stack of ``model`` (``find_layer_stack``: the longest ``ModuleList`` /
+        ``ModuleDict`` of same-class blocks): its attribute path and layers. A Hugging Face model
+        needs ``hyper_parallel.integrations.transformers`` imported (it hands the layers our
+        checkpoint, so that their KV cache follows Hugging Face's rules)."""
+        if type(model).__module__.startswith("transformers.") and _HF_INTEGRATION not in sys.modules:
+            raise ValueError(f"plan_memory: {type(model).__name__} is a Hugging Face model: import "
+                             f"{_HF_INTEGRATION} first (it hands Hugging Face's layers our checkpoint, so that "
+                             "their cache follows Hugging Face's rules when some layers are recomputed).")
+        stack = find_layer_stack(model)
+        layers = list(stack.layers.values()) if isinstance(stack.layers, torch.nn.ModuleDict) else list(stack.layers)
+        return stack.path, layers
+
+    @staticmethod
+    def after_wrap(model: Optional[torch.nn.Module], layers: Sequence[torch.nn.Module], recomputes: bool) -> None:
+        """What a model needs once some of its layers are wrapped: a Hugging Face model whose
+        layers recompute gets its model-level checkpointing flag (``checkpoint_above``)."""
+        integration = sys.modules.get(_HF_INTEGRATION)
+        if model is not None and recomputes and integration is not None and \
+                type(model).__module__.startswith("transformers."):
+            integration.checkpoint_above(model, layers)
+
     def wrap(self, layer: torch.nn.Module, option: LayerOption, seen: Sequence[OpKey]) -> Any:
         """Wrap ``layer`` in place for ``option`` through the public API; the generated policy."""
         policy = option_policy(option, seen, self.key_of, self.nbytes)
@@ -322,15 +357,28 @@ class TorchProber:
                 saved.setdefault(recorder.layer, {})[key] = t.untyped_storage().nbytes()
             return t.detach()  # what autograd would keep: an alias of the same storage
 
+        arg_shapes: Dict[int, tuple] = {}
+
+        held: List[int] = []
+        given: Dict[int, Any] = {}  # layer -> a weak reference to its input
+
         def on_pre(j: int, args: tuple, kwargs: dict) -> None:
             recorder.layer = j
+            arg_shapes[j] = tuple((tuple(t.shape), str(t.dtype)) for t in _tensor_args(args))
             x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if x is not None:
+                given[j] = weakref.ref(x)
             inputs[j] = x.untyped_storage().nbytes() if x is not None else 0
             flows.append(x is not None and outputs.get(j - 1) == id(x))
 
         def on_post(j: int, out: Any) -> None:
             recorder.layer = None
             outputs[j] = id(_hidden(out))
+            # (autograd keeps aliases of what it saves: the input object itself outlives the next
+            # layer only where the program holds it)
+            earlier = given.pop(j - 1, None)
+            if earlier is not None and earlier() is not None:
+                held.append(j - 1)
 
         # On a CPU the step's memory is what it allocates (the meter's growth over every storage
         # alive when it starts) plus what it reached that existed before (parameters, buffers,
@@ -363,12 +411,18 @@ class TorchProber:
         # Call 2: the plain step's time and each layer's; an input of every layer kept for probes.
         times = [[0.0, 0.0] for _ in range(n)]
         clock: Dict[str, float] = {}
-        captured: Dict[int, Tuple[tuple, dict]] = {}
+        records = []
+        for j in range(n):
+            sizes = sorted(saved.get(j, {}).values(), reverse=True)
+            records.append(LayerRecord(j, "", recorder.ops.get(j, []), sizes, inputs.get(j, 0)))
+        types = self._layer_types(layers, records, arg_shapes)
+        first = {t.layers[0]: t for t in types.values()}
 
         now = _clock(device)
 
         def timed_pre(j: int, args: tuple, kwargs: dict) -> None:
-            captured[j] = (args, kwargs)
+            if j in first:  # the input a probe of its type runs on, copied now (a cache fills up later)
+                first[j].probe_inputs = _ProbeInput(layers[j], args, kwargs)
             clock["f"] = now()
 
         def timed_post(j: int, out: Any) -> None:
@@ -391,11 +445,9 @@ class TorchProber:
             second.restore()
         for j, seconds in timer.backward_times(n).items():
             times[j][1] = seconds
-        records = []
-        for j in range(n):
-            sizes = sorted(saved.get(j, {}).values(), reverse=True)
-            records.append(LayerRecord(j, "", recorder.ops.get(j, []), sizes, inputs.get(j, 0), times[j][0], times[j][1]))
-        types = self._layer_types(layers, records, captured)
+        for j, record in enumerate(records):
+            record.forward_s, record.backward_s = times[j]
+            record.input_held = j in held
         params = {_storage_key(p): p.untyped_storage().nbytes() for layer in [*layers] for p in layer.parameters()}
         param_bytes = sum(params.values())
         before = sum(recorder.reached.values()) - meter.baseline_bytes if cpu else 0
@@ -412,23 +464,22 @@ class TorchProber:
             param_bytes=max(param_bytes, sum(all_leaves.values())), grad_bytes=sum(all_leaves.values()),
             copy_bytes_per_s=self.copy_bandwidth(device), overlaps=device.type != "cpu", notes=notes)
 
-    def _layer_types(self, layers: Sequence[torch.nn.Module], records: List[LayerRecord],
-                     captured: Dict[int, Tuple[tuple, dict]]) -> Dict[str, LayerType]:
+    @staticmethod
+    def _layer_types(layers: Sequence[torch.nn.Module], records: List[LayerRecord],
+                     arg_shapes: Dict[int, tuple]) -> Dict[str, LayerType]:
         """Group the layers whose profiles agree (class, parameter shapes, input shapes, ops,
-        saved storages) into :class:`LayerType` s; each keeps its first layer's captured input."""
+        saved storages) into :class:`LayerType` s (without their probe inputs yet)."""
         types: Dict[str, LayerType] = {}
         signatures: Dict[Any, str] = {}
         for j, (layer, record) in enumerate(zip(layers, records)):
-            args, kwargs = captured[j]
             signature = (type(layer).__qualname__,
                          tuple((n, tuple(p.shape), str(p.dtype)) for n, p in layer.named_parameters()),
-                         tuple((tuple(t.shape), str(t.dtype)) for t in _tensor_args(args)),
-                         tuple((r.key, r.new_bytes, r.saved) for r in record.ops),
+                         arg_shapes.get(j), tuple((r.key, r.new_bytes, r.saved) for r in record.ops),
                          tuple(record.saved_sizes))
             key = signatures.get(signature)
             if key is None:
                 key = signatures[signature] = f"{type(layer).__name__}#{len(signatures)}"
-                types[key] = LayerType(key, [], record, _ProbeInput(layer, args, kwargs))
+                types[key] = LayerType(key, [], record)
             types[key].layers.append(j)
             record.type_key = key
         return types
@@ -472,6 +523,9 @@ class TorchProber:
             "last_fwd": delta_l["fwd 1"], "last_head": delta_l["gap 1"], "last_bwd": delta_l["bwd 1"],
         }
         assert set(effect) == set(RELATIONS)
+        for relation in RELATIONS:  # what a wrapped layer keeps that a difference of peaks can miss
+            if relation != "after":
+                effect[relation] += SLACK_BYTES
         # Every option adds work to the layer (recompute, copies, bookkeeping): a run measured faster
         # than the plain layer is timing noise, and counts as free.
         seconds = max(0.0, (self._chain_time(source, option, seen) - reference["time"]) / 3)
@@ -499,7 +553,8 @@ class TorchProber:
                     manager.discard_group(name)
                 except ValueError:  # a copy is still alive (a cycle): collect it, then drop its group
                     gc.collect()
-                    manager.discard_group(name)
+                    with contextlib.suppress(ValueError):  # (alive still: an error on its way out holds it)
+                        manager.discard_group(name)
 
     def _chain_memory(self, source: "_ProbeInput", options: Sequence[Optional[LayerOption]],
                       seen: Sequence[OpKey]) -> Dict[str, int]:
@@ -510,7 +565,8 @@ class TorchProber:
                 # (no warm-up run: host buffers are never device memory, and the step ran already,
                 # so one-off device allocations such as a BLAS workspace are made)
                 inputs = source.inputs()
-                with MemoryMeter(source.device, track=[copies, inputs], scan_gc=False) as meter:
+                tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+                with MemoryMeter(source.device, track=[copies, tensors], scan_gc=False) as meter:
                     segments = _Segments(meter)
                     handles = _layer_marks(copies, segments)
                     try:
@@ -532,10 +588,10 @@ class TorchProber:
         best = float("inf")
         try:
             with _kept(source, self.key_of, watch=False):
-                inputs = source.inputs()
-                source.run(copies, inputs)
+                source.run(copies)
                 for _ in range(_PROBE_REPEATS):
                     _zero_grads(copies)
+                    inputs = source.inputs()
                     self.synchronize(source.device)
                     with no_gc():
                         t0 = now()
@@ -619,6 +675,7 @@ class _ProbeInput:
         x = args[0]
         self.device = x.device
         self.requires_grad = x.requires_grad
+        args, kwargs = _without_cache(args, kwargs)
         self._host = copy.deepcopy(tree_map(_to_host, (args, kwargs)))  # (its own copy of other objects)
 
     def inputs(self) -> Tuple[torch.Tensor, tuple, dict]:
@@ -642,6 +699,23 @@ class _ProbeInput:
             h = _hidden(layer(h, *rest, **kwargs))
         if h.requires_grad:
             h.backward(torch.ones_like(h))
+
+
+def _is_hf_cache(x: Any) -> bool:
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(x).__mro__)
+
+
+def _without_cache(args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    """A layer's arguments for probes, a Hugging Face KV cache left out (``None``, ``use_cache``
+    off): copies of one layer share its layer index, so they would read each other's keys, and a
+    recomputed layer trains without a cache anyway."""
+    if not any(_is_hf_cache(a) for a in (*args, *kwargs.values())):
+        return args, kwargs
+    args = tuple(None if _is_hf_cache(a) else a for a in args)
+    kwargs = {k: (None if _is_hf_cache(v) else v) for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs
 
 
 def _to_host(t: Any) -> Any:
