@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swap-threshold-bytes", type=int, default=None,
                    help="size from which swap_with_policy swaps a tensor (default: the size of one "
                         "batch x heads x seq x seq attention matrix in --dtype)")
+    p.add_argument("--budget", default=None,
+                   help="also plan the model for this memory budget (plan_memory: bytes, or e.g. 40MiB, 1.5GB) and "
+                        "train the plan beside the modes (row plan@BUDGET, with its prediction and report)")
+    p.add_argument("--budget-sweep", type=int, default=None, metavar="N",
+                   help="plan N budgets from the smallest reachable peak to the peak with nothing wrapped, train each "
+                        "plan beside the modes, and write the measured step time against the measured peak as a PNG "
+                        "(--plot, default budget_sweep.png) and a JSON (--json, default budget_sweep.json)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON to PATH")
     p.add_argument("--plot", metavar="PATH", default=None, help="save a bar chart to PATH (needs matplotlib)")
     p.add_argument("--trace", metavar="DIR", default=None,
@@ -133,6 +140,8 @@ def run_worker(args) -> int:
 
     mode = args.worker
     allowed = SWAP_WRAPPER_MODES if args.swap_wrapper else MODES
+    if mode == PLAN_RANGE or mode.startswith(PLAN_PREFIX):
+        return run_plan_worker(args, mode)
     if mode not in allowed:
         print(f"unknown mode {mode!r}; choose from {', '.join(allowed)}", file=sys.stderr)
         return 2
@@ -183,6 +192,107 @@ def run_worker(args) -> int:
     sys.stdout.write(_RESULT_TAG + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0
+
+
+PLAN_PREFIX = "plan@"
+PLAN_RANGE = "plan-range"
+
+
+def run_plan_worker(args, mode: str) -> int:
+    """A memory plan in this process: plan a copy of the model (one Adam step first, so that the
+    plan counts the optimizer's state; the planned step is a whole training step), then train the
+    model under the plan as the modes train (``plan@BYTES``); or only report the range of budgets
+    worth planning (``plan-range``: the smallest reachable peak and the peak with nothing wrapped)."""
+    import copy
+    import gc
+
+    import torch
+
+    from hyper_parallel.bench.model import GPT, GPTConfig, make_batch, train_steps
+    from hyper_parallel.core.activation_checkpoint import MemoryPlan, SwapManager, plan_memory
+    from hyper_parallel.tools.memory import MemoryMeter
+
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq,
+                    dropout=args.dropout)
+    model = GPT(cfg, seed=args.seed).to(device=device, dtype=getattr(torch, args.dtype))
+    planned = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(planned.parameters(), lr=args.lr)
+    tokens, targets = make_batch(cfg, args.batch, args.seed, device=device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        planned(tokens, targets).backward()
+        optimizer.step()
+
+    step()  # (the optimizer's state exists from the second step on: plan for that)
+    budget = "1TiB" if mode == PLAN_RANGE else int(mode[len(PLAN_PREFIX):])
+    t0 = time.perf_counter()
+    plan = plan_memory(planned.layers, step, budget)
+    planning_s = time.perf_counter() - t0
+    result: Dict[str, Any] = {"mode": mode, "min_budget_bytes": plan.min_budget_bytes,
+                              "reference_peak_bytes": plan.reference_peak_bytes, "planning_s": planning_s}
+    if mode == PLAN_RANGE:
+        sys.stdout.write(_RESULT_TAG + json.dumps(result) + "\n")
+        return 0
+    text, report_text = plan.to_json(), plan.report()
+    result.update(budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
+                  predicted_step_s=plan.predicted_step_s, lower_bound_step_s=plan.lower_bound_step_s,
+                  report=report_text, options=[c.option.name() for c in plan.choices])
+    del plan, planned, optimizer, step
+    gc.collect()  # (the planned copy must not count in this process's memory)
+    SwapManager().reset()
+    MemoryPlan.from_json(text, model.layers).apply()
+    meters: List[Any] = []
+
+    def make_meter(model_, optimizer_):
+        m = MemoryMeter(device, track=[model_, optimizer_])
+        meters.append(m)
+        return m
+
+    times: List[float] = []
+    losses = train_steps(model, args.steps, args.batch, args.lr, args.seed, device, meter=make_meter, times=times,
+                         on_step=lambda s, loss: print(f"{_PROGRESS_TAG} {s + 1} {args.steps}", file=sys.stderr,
+                                                       flush=True))
+    stats = report.plain(SwapManager().stats())
+    result.update(peak_bytes=int(meters[0].peak_bytes), offloaded_bytes=int(stats["offloaded_bytes"]),
+                  step_time_s=median(times) or 0.0, step_times_s=times, losses=losses, stats=stats,
+                  process_cpu_s=time.process_time())
+    sys.stdout.write(_RESULT_TAG + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def format_plans(results: List[Dict[str, Any]]) -> List[str]:
+    """What each plan row predicted against what it measured, and its report."""
+    lines = []
+    for r in results:
+        if not r["mode"].startswith(PLAN_PREFIX) or "error" in r:
+            continue
+        over = r["peak_bytes"] > r["budget_bytes"]
+        lines.append(f"{_label(r['mode'])}: budget {r['budget_bytes'] / MiB:.1f} MiB, measured peak {r['peak_bytes'] / MiB:.1f} "
+                     f"MiB ({'OVER' if over else 'within'}; predicted {r['predicted_peak_bytes'] / MiB:.1f} MiB, "
+                     f"{100 * (r['predicted_peak_bytes'] / r['peak_bytes'] - 1):+.1f}%), step "
+                     f"{r['step_time_s'] * 1e3:.0f} ms (predicted {r['predicted_step_s'] * 1e3:.0f} ms, "
+                     f"{100 * (r['predicted_step_s'] / r['step_time_s'] - 1):+.1f}%; lower bound "
+                     f"{r['lower_bound_step_s'] * 1e3:.0f} ms); planned in {r['planning_s']:.1f} s")
+        if len([x for x in results if x["mode"].startswith(PLAN_PREFIX)]) == 1:
+            lines.append(r["report"])
+    return lines
+
+
+def write_sweep_plot(path: str, results: List[Dict[str, Any]], title: str) -> None:
+    """Measured step time against measured peak: the plans' curve and every mode as a point."""
+    rows = {}
+    for r in results:
+        if "error" in r:
+            continue
+        rows[r["mode"]] = {"fwd_bwd_peak_bytes": r["peak_bytes"], "step_time_s": r["step_time_s"],
+                           "who": "baseline" if r["mode"] == "none" else "ours", "budget_bytes": r.get("budget_bytes")}
+    report.pareto_chart(path, [{"model": title, "rows": rows}])
 
 
 # ------------------------------------------------------------------ orchestrator
@@ -350,6 +460,13 @@ def _fmt_losses(losses: Sequence[float]) -> str:
     return " ".join(vals)
 
 
+def _label(mode: str) -> str:
+    """A row's name: the mode, or ``plan@<budget in MiB>``."""
+    if mode.startswith(PLAN_PREFIX):
+        return f"{PLAN_PREFIX}{int(mode[len(PLAN_PREFIX):]) / MiB:.1f}MiB"
+    return mode
+
+
 def format_table(results: List[Dict[str, Any]]) -> str:
     base = next((r for r in results if r["mode"] == "none" and "error" not in r), None)
     base_peak = base["peak_bytes"] if base else 0
@@ -357,11 +474,11 @@ def format_table(results: List[Dict[str, Any]]) -> str:
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["mode"], "-", "-", "-", "-", "FAILED: " + r["error"], "-"])
+            rows.append([_label(r["mode"]), "-", "-", "-", "-", "FAILED: " + r["error"], "-"])
             continue
         match = r.get("matches_baseline")
         rows.append([
-            r["mode"],
+            _label(r["mode"]),
             "%.1f" % (r["peak_bytes"] / MiB),
             "%.2fx" % (r["peak_bytes"] / base_peak) if base_peak else "-",
             "%.1f" % (r["offloaded_bytes"] / MiB / max(1, len(r["losses"]))),
@@ -411,8 +528,27 @@ def write_plot(path: str, results: List[Dict[str, Any]], title: str) -> None:
     report.bar_chart(path, rows, title)
 
 
+def _plan_modes(args, progress: "_Progress") -> List[str]:
+    """The ``plan@BYTES`` rows asked for: ``--budget``, and ``--budget-sweep N`` (from a first
+    worker's range of budgets worth planning)."""
+    from hyper_parallel.planner import parse_budget
+
+    modes = []
+    if args.budget is not None:
+        modes.append(f"{PLAN_PREFIX}{parse_budget(args.budget)}")
+    if args.budget_sweep:
+        span = run_mode(args, PLAN_RANGE, progress, 0)
+        if "error" in span:
+            raise RuntimeError(f"planning the budget range failed: {span['error']}\n{span.get('stderr', '')}")
+        low, high, n = span["min_budget_bytes"], span["reference_peak_bytes"], args.budget_sweep
+        modes += [f"{PLAN_PREFIX}{int(low + (high - low) * k / max(1, n - 1))}" for k in range(n)]
+    return modes
+
+
 def run_comparison(args, parser) -> int:
     modes = _mode_list(args, parser)
+    if args.budget is not None or args.budget_sweep:
+        modes += _plan_modes(args, _Progress(total=1, enabled=False))
     config = _config(args)
     exact = args.device.split(":")[0] == "cpu"
     progress = _Progress(total=len(modes) * max(1, args.steps), enabled=not args.no_progress)
@@ -446,7 +582,9 @@ def run_comparison(args, parser) -> int:
     if args.swap_wrapper:
         print(f"swap_with_policy threshold: {config['swap_threshold_bytes']} bytes")
     print(format_table(results))
-    print(mode_legend(results, args.swap_wrapper))
+    print(mode_legend([r for r in results if not r["mode"].startswith(PLAN_PREFIX)], args.swap_wrapper))
+    for line in format_plans(results):
+        print(line)
     print(reading(results, exact))
     for line in format_swap_stats(results, exact):
         print(line)
@@ -481,7 +619,18 @@ def run_comparison(args, parser) -> int:
             "total_time_s": total,
         }
         report.write_json(args.json, doc)
-    if args.plot:
+    if args.budget_sweep:
+        sweep_json = args.json or "budget_sweep.json"
+        if not args.json:
+            report.write_json(sweep_json, {"device": args.device, "config": config,
+                                           "results": [{k: v for k, v in r.items() if k != "stdout"} for r in results]})
+        sweep_png = args.plot or "budget_sweep.png"
+        if report.have_matplotlib()[0]:
+            write_sweep_plot(sweep_png, results, f"bench GPT on {args.device}: {cfg_line}")
+            print(f"budget sweep written to {sweep_json} and {sweep_png}")
+        else:
+            print(f"budget sweep written to {sweep_json} (no PNG: matplotlib is not installed)")
+    elif args.plot:
         write_plot(args.plot, results, f"{kind} modes, {args.device}: {cfg_line}")
         print(f"plot written to {args.plot}")
 
@@ -542,6 +691,17 @@ def check_options(args, parser: argparse.ArgumentParser) -> None:
         parser.error(str(exc))
     if args.worker is None:
         _mode_list(args, parser)
+    if args.budget is not None:
+        from hyper_parallel.planner import parse_budget
+
+        try:
+            parse_budget(args.budget)
+        except (TypeError, ValueError) as exc:
+            parser.error(f"--budget: {exc}")
+    if args.budget_sweep is not None and args.budget_sweep < 2:
+        parser.error("--budget-sweep needs at least 2 budgets")
+    if (args.budget is not None or args.budget_sweep) and args.swap_wrapper:
+        parser.error("--budget and --budget-sweep plan the checkpoint_wrapper comparison; leave --swap-wrapper out")
     why = device_problem(args.device)
     if why:
         parser.error(why)

@@ -380,10 +380,9 @@ class TorchProber:
             if earlier is not None and earlier() is not None:
                 held.append(j - 1)
 
-        # On a CPU the step's memory is what it allocates (the meter's growth over every storage
-        # alive when it starts) plus what it reached that existed before (parameters, buffers,
-        # inputs, gradients it accumulates; found by the recorder), whatever else the process holds.
-        # An accelerator's allocator counts all of its memory.
+        # On a CPU the step's memory is every live storage (the meter counts them all) but those it
+        # has nothing to do with: alive before and after it, never read or written by it (see
+        # _unrelated_bytes). An accelerator's allocator counts all of its memory.
         cpu = device.type == "cpu"
         gc.collect()  # (garbage in reference cycles would count as live memory)
         try:
@@ -400,6 +399,7 @@ class TorchProber:
                         h.remove()
         finally:
             state.restore()
+        unrelated = _unrelated_bytes(recorder) if cpu else 0
         kinds = [(s.kind, s.layer) for s in segments.segments]
         expected = [("pre", -1)] + [(k, j) for j in range(n) for k in ("fwd", "gap")] + \
                    [("bwd", j) for j in range(n - 1, -1, -1)]
@@ -450,7 +450,7 @@ class TorchProber:
             record.input_held = j in held
         params = {_storage_key(p): p.untyped_storage().nbytes() for layer in [*layers] for p in layer.parameters()}
         param_bytes = sum(params.values())
-        before = sum(recorder.reached.values()) - meter.baseline_bytes if cpu else 0
+        before = -unrelated
         for segment in segments.segments:
             segment.start += before
             segment.peak += before
@@ -699,6 +699,30 @@ class _ProbeInput:
             h = _hidden(layer(h, *rest, **kwargs))
         if h.requires_grad:
             h.backward(torch.ones_like(h))
+
+
+def _unrelated_bytes(recorder: _Recorder) -> int:
+    """Bytes of the CPU storages alive after the step that it neither made nor reached (another
+    model in the process, a data set kept as tensors): they lived through the whole step, which
+    never touched them, so they are not its memory. (What the step reached, parameters, buffers,
+    inputs, and what existed before it and it let go of, old gradients, are.)"""
+    seen, total = set(), 0
+    tensor_type = torch.Tensor
+    objs = gc.get_objects()
+    try:
+        for obj in objs:
+            if not issubclass(type(obj), tensor_type) or obj.device.type != "cpu" or obj.layout is not torch.strided \
+                    or obj.is_meta:
+                continue
+            storage = obj.untyped_storage()
+            key = _storage_key(obj)
+            if key in seen or key in recorder.created or key in recorder.reached or is_host_storage(storage):
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+    finally:
+        del objs
+    return total
 
 
 def _is_hf_cache(x: Any) -> bool:
