@@ -86,6 +86,30 @@ def test_programme_finds_the_fastest_choice_that_fits_and_the_smallest_peak():
         assert solver.lower_bound(problem, budget) <= best + 1e-9
 
 
+def test_with_micro_batches_in_flight_each_other_one_keeps_what_the_plan_leaves():
+    rng = random.Random(5)
+    for _ in range(10):
+        problem = _synthetic(4, 4, rng)
+        problem.in_flight, problem.retained = 3, 40.0
+
+        def peak(choice):
+            base, seconds = _peak(problem, choice)
+            kept = problem.retained + sum(problem.head_value(i, problem.options[i][k]) for i, k in enumerate(choice))
+            return base + 2 * kept, seconds
+
+        everything = list(itertools.product(range(4), repeat=4))
+        smallest = min(peak(c)[0] for c in everything)
+        budget = rng.uniform(smallest, smallest + 80)
+        best = min((peak(c)[1], c) for c in everything if peak(c)[0] <= budget)[0]
+        picked = solver.solve(problem, budget)
+        assert picked is not None and peak(picked)[0] <= budget
+        # exact up to the grid of caps on what a micro-batch keeps
+        assert peak(picked)[1] <= best + 0.5 and peak(picked)[1] >= best - 1e-12
+        if solver.have_scipy():
+            milp = solver.solve_milp(problem, budget)
+            assert peak(milp)[0] <= budget + 1e-6 and peak(milp)[1] == pytest.approx(best)
+
+
 def test_programme_refuses_a_budget_below_every_choice():
     problem = _synthetic(3, 3, random.Random(1))
     smallest, _ = solver.min_peak(problem)

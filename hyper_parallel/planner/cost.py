@@ -82,17 +82,37 @@ class Prediction:
     step_s: float
 
 
-def predict(profile: StepProfile, effects: Sequence[Effect]) -> Prediction:
-    """The predicted peak and time of the plan giving layer ``i`` the option with ``effects[i]``."""
+def predict(profile: StepProfile, effects: Sequence[Effect], in_flight: int = 1) -> Prediction:
+    """The predicted peak and time of the plan giving layer ``i`` the option with ``effects[i]``.
+
+    ``in_flight``: micro-batches whose forward has run and whose backward has not (a pipeline
+    stage holds several, the current one included): each other one keeps what a forward leaves
+    for its backward (:func:`retained_bytes`) on top of the step's own timeline."""
     if len(effects) != len(profile.layers):
         raise ValueError(f"predict: {len(effects)} effects for {len(profile.layers)} layers")
     peak, where = -1, ""
     held = profile.held_inputs()
+    extra = (in_flight - 1) * retained_bytes(profile, effects)
     for segment in profile.segments:
-        value = segment_bytes(segment, effects, held)
+        value = segment_bytes(segment, effects, held) + extra
         if value > peak:
             peak, where = value, segment.name
     return Prediction(int(peak), where, profile.step_s + sum(e.seconds for e in effects))
+
+
+def reference_retained(profile: StepProfile) -> int:
+    """Bytes one micro-batch's forward leaves for its backward with every layer as it is: the
+    growth from the start of the step to the end of the forward (the loss head's gap)."""
+    head = next(s for s in profile.segments if s.kind == "gap" and s.layer == len(profile.layers) - 1)
+    return max(0, head.start - profile.segments[0].start)
+
+
+def retained_bytes(profile: StepProfile, effects: Sequence[Effect]) -> int:
+    """Bytes one micro-batch's forward leaves for its backward under the plan: the reference's
+    plus what every layer's effect is once the whole forward has run."""
+    n = len(effects)
+    head = next(s for s in profile.segments if s.kind == "gap" and s.layer == n - 1)
+    return reference_retained(profile) + segment_bytes(head, effects, profile.held_inputs()) - head.peak
 
 
 def breakdown(profile: StepProfile, effects: Sequence[Effect], where: str) -> List[Tuple[str, int]]:

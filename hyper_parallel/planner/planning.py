@@ -9,7 +9,7 @@ from hyper_parallel.core.swap_manager import SwapManager
 from . import candidates as cand
 from . import solver
 from .budget import format_bytes, parse_budget
-from .cost import breakdown, predict
+from .cost import breakdown, predict, reference_retained
 from .options import LayerOption, OpKey
 from .plan import LayerChoice, MemoryPlan, active_prober, wrapped_kind
 from .profile import Effect, LayerType, StepProfile
@@ -25,7 +25,13 @@ class Planner:
     (measured by probes, else modelled), and the solver around them. ``plan_memory`` makes one;
     it can answer several budgets from one profile (the benchmark does)."""
 
-    def __init__(self, layers: Sequence[Any], profile: StepProfile, prober: Any, resolution: int = 2048) -> None:
+    def __init__(self, layers: Sequence[Any], profile: StepProfile, prober: Any, resolution: int = 2048,
+                 microbatches_in_flight: int = 1) -> None:
+        if isinstance(microbatches_in_flight, bool) or not isinstance(microbatches_in_flight, int) \
+                or microbatches_in_flight < 1:
+            raise ValueError(f"microbatches_in_flight must be an int >= 1 (the micro-batches whose forward has run and "
+                             f"whose backward has not, the current one included), got {microbatches_in_flight!r}")
+        self.in_flight = microbatches_in_flight
         self.layers = list(layers)
         self.profile = profile
         self.prober = prober
@@ -90,7 +96,8 @@ class Planner:
                 opts = [o for o in opts if (record.type_key, o) in self.effects]
             per_layer.append(opts)
             effects.append([self.effect(record.type_key, o) for o in opts])
-        return solver.Problem(self.profile.segments, effects, self.profile.held_inputs()), per_layer
+        return solver.Problem(self.profile.segments, effects, self.profile.held_inputs(), self.in_flight,
+                              float(reference_retained(self.profile))), per_layer
 
     def _solve(self, chooser: Callable[[solver.Problem], Optional[List[int]]]) -> Optional[List[LayerOption]]:
         """Solve, probe the options the solution uses that are still modelled, and solve again
@@ -120,7 +127,7 @@ class Planner:
         """The smallest predicted peak of any plan, the plan reaching it, and where it falls."""
         chosen = self._solve(lambda p: solver.min_peak(p, self.resolution)[1])
         assert chosen is not None
-        prediction = predict(self.profile, self.assignment_effects(chosen))
+        prediction = predict(self.profile, self.assignment_effects(chosen), self.in_flight)
         return prediction.peak_bytes, chosen, prediction.where
 
     def plan(self, budget: Union[int, str]) -> MemoryPlan:
@@ -139,7 +146,7 @@ class Planner:
                 f"{detail}. Raise the budget to at least that, or shrink what every plan pays (batch size, "
                 "sequence length, parameters and their gradients, the loss head).")
         effects = self.assignment_effects(chosen)
-        prediction = predict(self.profile, effects)
+        prediction = predict(self.profile, effects, self.in_flight)
         problem, _ = self._problem(measured_only=True)
         bound = solver.lower_bound(problem, budget_bytes, self.resolution)
         if solver.have_scipy():
@@ -178,7 +185,7 @@ class Planner:
 
 
 def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str], *,
-                prober: Optional[Any] = None, resolution: int = 2048) -> MemoryPlan:
+                microbatches_in_flight: int = 1, prober: Optional[Any] = None, resolution: int = 2048) -> MemoryPlan:
     """Choose SAVE / RECOMPUTE / SWAP for every layer of ``layers`` so that one ``step_fn()`` peaks
     at most at ``budget`` bytes of device memory, as fast as the options allow.
 
@@ -196,6 +203,12 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
       memory of one ``step_fn()`` call (``torch.cuda.max_memory_allocated()`` after
       ``reset_peak_memory_stats()`` just before it; on a CPU the live storages, the library's host
       buffers excluded), parameters, gradients, inputs and activations included.
+
+    - ``microbatches_in_flight``: in a pipeline stage, how many micro-batches have run their
+      forward and not yet their backward at the stage's worst moment, the current one included
+      (1F1B with ``P`` stages: stage ``s`` holds up to ``P - s``; GPipe: all of them; see
+      ``plan_pipeline``): each other one keeps what the plan leaves for its backward, on top of
+      the profiled step (``step_fn``: one micro-batch's forward + backward through the stage).
 
     A budget below what any plan reaches is a ``ValueError`` stating the minimum and what makes it
     up; a budget above the step's peak with every layer left as it is gives a plan that wraps
@@ -230,7 +243,7 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
         raise TypeError(f"plan_memory: step_fn must be a zero-argument callable running one forward + backward, "
                         f"got {step_fn!r}")
     profile = prober.profile_step(stack, step_fn)
-    plan = Planner(stack, profile, prober, resolution).plan(budget_bytes)
+    plan = Planner(stack, profile, prober, resolution, microbatches_in_flight).plan(budget_bytes)
     if model is not None:
         plan.model, plan.stack_path = model, path
         plan.notes.insert(0, f"layer stack: {type(model).__name__}.{path} ({len(stack)} x {type(stack[0]).__name__})")

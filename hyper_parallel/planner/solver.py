@@ -41,6 +41,15 @@ class Problem:
     segments: Sequence[Segment]
     options: Sequence[Sequence[Effect]]
     held: frozenset = frozenset()  # layers whose input the model holds (cost.relation)
+    #: micro-batches whose forward has run and whose backward has not, the current one included
+    #: (a pipeline stage): each other one keeps ``retained`` bytes plus every layer's effect at
+    #: the end of the forward on top of every segment (see ``cost.predict``)
+    in_flight: int = 1
+    retained: float = 0.0
+
+    def head_value(self, i: int, effect: Effect) -> float:
+        """What layer ``i`` with ``effect`` keeps once the whole forward has run."""
+        return _value(effect, relation(i, _head(self.layers), self.layers, self.held))
 
     def carried(self, i: int, effect: Effect) -> float:
         """What layer ``i`` with ``effect`` adds to the segments after the next layer's (``T``)."""
@@ -140,22 +149,33 @@ def _shift_cells(a: np.ndarray, move: int) -> np.ndarray:
     return out
 
 
-def _run(problem: Problem, budget: Optional[float], resolution: int, up: bool, minimise_peak: bool
-         ) -> Tuple[float, Optional[List[int]]]:
+def _head(layers: int) -> Segment:
+    return Segment("gap", layers - 1, 0, 0)
+
+
+def _run(problem: Problem, budget: Optional[float], resolution: int, up: bool, minimise_peak: bool,
+         cap: Optional[float] = None) -> Tuple[float, Optional[List[int]]]:
     """The dynamic programme: minimise the time under ``budget`` (or the peak, ``minimise_peak``).
-    Returns the best value and the chosen option of every layer (``None`` if nothing fits)."""
+    Returns the best value and the chosen option of every layer (``None`` if nothing fits).
+
+    ``cap``: with micro-batches in flight, the most a micro-batch may keep at the end of its
+    forward beyond the reference (every segment then carries ``in_flight - 1`` of them at that
+    size, and a choice keeping more is refused)."""
     n = problem.layers
     if n == 0:
         raise ValueError("a plan needs at least one layer")
     pre = _pre_peak(problem)
     if budget is not None and pre > budget:
         return _INF, None
+    extra = (problem.in_flight - 1) * (problem.retained + cap) if cap is not None else 0.0
+    if budget is not None and pre + extra > budget:
+        return _INF, None
     grid = _Grid(problem, resolution, up)
-    constraints = _layer_constraints(problem)
+    constraints = [[(c + extra, prev, own) for c, prev, own in layer] for layer in _layer_constraints(problem)]
     # value[p, cell]: the best so far with the previous layer's option p and T in cell (layer 0
     # has no previous layer: one pseudo-option with no effects, at T = 0).
     value = np.full((1, grid.size), _INF)
-    value[0, grid.origin()] = pre if minimise_peak else 0.0
+    value[0, grid.origin()] = pre + extra if minimise_peak else 0.0
     prev: Sequence[Optional[Effect]] = [None]
     backs: List[np.ndarray] = []
     moves: List[List[int]] = []
@@ -181,6 +201,9 @@ def _run(problem: Problem, budget: Optional[float], resolution: int, up: bool, m
         backs.append(back)
         moves.append(move)
         prev = opts
+    if cap is not None:  # what the choice keeps at the end of the forward must stay under the cap
+        kept = np.array([problem.head_value(n - 1, e) for e in prev])[:, None] + grid.values[None, :]
+        value = np.where(kept <= cap + 1e-9, value, _INF)
     best = float(value.min())
     if not np.isfinite(best):
         return _INF, None
@@ -193,23 +216,49 @@ def _run(problem: Problem, budget: Optional[float], resolution: int, up: bool, m
     return best, choice
 
 
+_CAPS = 16  # caps tried when micro-batches are in flight
+
+
+def _caps(problem: Problem) -> List[Optional[float]]:
+    """The caps on what a micro-batch keeps that :func:`solve` tries (``[None]``: one in flight)."""
+    if problem.in_flight <= 1:
+        return [None]
+    n = problem.layers
+    values = [[problem.head_value(i, e) for e in opts] for i, opts in enumerate(problem.options)]
+    low, high = sum(min(v) for v in values), sum(max(v) for v in values)
+    return [low + (high - low) * k / (_CAPS - 1) for k in range(_CAPS)]
+
+
+def _best(problem: Problem, budget: Optional[float], resolution: int, up: bool, minimise_peak: bool
+          ) -> Tuple[float, Optional[List[int]]]:
+    best: Tuple[float, Optional[List[int]]] = (_INF, None)
+    for cap in _caps(problem):
+        found = _run(problem, budget, resolution, up, minimise_peak, cap)
+        if found[0] < best[0]:
+            best = found
+    return best
+
+
 def solve(problem: Problem, budget: float, resolution: int = 2048) -> Optional[List[int]]:
     """The fastest choice of one option per layer whose predicted peak fits ``budget`` (bytes are
-    rounded up, so a choice returned fits), or ``None`` if none does."""
-    return _run(problem, budget, resolution, up=True, minimise_peak=False)[1]
+    rounded up, so a choice returned fits), or ``None`` if none does. With micro-batches in
+    flight, the programme runs once per cap on what each keeps (:data:`_CAPS` of them), which
+    makes it exact up to that grid."""
+    return _best(problem, budget, resolution, up=True, minimise_peak=False)[1]
 
 
 def min_peak(problem: Problem, resolution: int = 2048) -> Tuple[float, List[int]]:
     """The smallest predicted peak any choice reaches (bytes rounded up), and that choice."""
-    best, choice = _run(problem, None, resolution, up=True, minimise_peak=True)
+    best, choice = _best(problem, None, resolution, up=True, minimise_peak=True)
     assert choice is not None
     return best, choice
 
 
 def lower_bound(problem: Problem, budget: float, resolution: int = 2048) -> float:
     """A lower bound on the time of any choice that fits ``budget``: the programme with bytes
-    rounded down (a relaxation of the constraints); ``inf`` if not even that fits."""
-    return _run(problem, budget, resolution, up=False, minimise_peak=False)[0]
+    rounded down (a relaxation of the constraints); ``inf`` if not even that fits. (With
+    micro-batches in flight, a bound over the caps tried.)"""
+    return _best(problem, budget, resolution, up=False, minimise_peak=False)[0]
 
 
 # ---------------------------------------------------------------------------- MILP (optional)
@@ -229,16 +278,21 @@ def _matrices(problem: Problem, budget: float):
         offsets.append(total)
         total += len(opts)
     rows, rhs = [], []
+    carried = np.zeros(total)  # what each option keeps at the end of the forward (micro-batches in flight)
+    for i, opts in enumerate(problem.options):
+        for k, e in enumerate(opts):
+            carried[offsets[i] + k] = problem.head_value(i, e)
+    others = problem.in_flight - 1
     for s in problem.segments:
-        row = np.zeros(total)
+        row = others * carried
         for i in range(n):
             rel = relation(i, s, n, problem.held)
             if rel is None:
                 continue
             for k, e in enumerate(problem.options[i]):
-                row[offsets[i] + k] = _value(e, rel)
+                row[offsets[i] + k] += _value(e, rel)
         rows.append(row)
-        rhs.append(budget - s.peak)
+        rhs.append(budget - s.peak - others * problem.retained)
     one_hot = np.zeros((n, total))
     for i, opts in enumerate(problem.options):
         one_hot[i, offsets[i]:offsets[i] + len(opts)] = 1.0
