@@ -27,7 +27,7 @@ import numpy as np
 from .cost import relation
 from .profile import Effect, Segment
 
-__all__ = ["Problem", "solve", "min_peak", "lower_bound", "solve_milp", "lp_bound", "have_scipy"]
+__all__ = ["Problem", "solve", "exact_peak", "min_peak", "lower_bound", "solve_milp", "lp_bound", "have_scipy"]
 
 _INF = float("inf")
 _TIE = 1e-12  # seconds: what one option further down a layer's list costs, to break ties
@@ -231,20 +231,54 @@ def _caps(problem: Problem) -> List[Optional[float]]:
 
 def _best(problem: Problem, budget: Optional[float], resolution: int, up: bool, minimise_peak: bool
           ) -> Tuple[float, Optional[List[int]]]:
-    best: Tuple[float, Optional[List[int]]] = (_INF, None)
-    for cap in _caps(problem):
-        found = _run(problem, budget, resolution, up, minimise_peak, cap)
-        if found[0] < best[0]:
-            best = found
-    return best
+    """The programme over the caps (one run without micro-batches in flight): a coarse grid, then
+    twice a finer one just below the best cap (a choice keeping less than its cap is also found
+    with a tighter one, which charges the other micro-batches less)."""
+    caps = _caps(problem)
+    runs = {cap: _run(problem, budget, resolution, up, minimise_peak, cap) for cap in caps}
+    for _ in range(2 if len(caps) > 1 else 0):
+        ordered = sorted(runs)
+        b = min(range(len(ordered)), key=lambda k: runs[ordered[k]][0])
+        if b == 0 or not math.isfinite(runs[ordered[b]][0]):
+            break
+        low, high = ordered[b - 1], ordered[b]
+        for k in range(1, _CAPS - 1):
+            cap = low + (high - low) * k / (_CAPS - 1)
+            runs[cap] = _run(problem, budget, resolution, up, minimise_peak, cap)
+    return min(runs.values(), key=lambda r: r[0])
+
+
+def _seconds(problem: Problem, choice: Sequence[int]) -> float:
+    return sum(problem.options[i][k].seconds for i, k in enumerate(choice))
+
+
+def exact_peak(problem: Problem, choice: Sequence[int]) -> float:
+    """The predicted peak of ``choice`` without rounding (``cost.predict``'s sum)."""
+    effects = [problem.options[i][k] for i, k in enumerate(choice)]
+    n = problem.layers
+    extra = (problem.in_flight - 1) * (problem.retained + sum(problem.head_value(i, e) for i, e in enumerate(effects)))
+    return max((s.peak + sum(_value(e, relation(i, s, n, problem.held) or ()) for i, e in enumerate(effects))
+                for s in problem.segments), default=0.0) + extra
 
 
 def solve(problem: Problem, budget: float, resolution: int = 2048) -> Optional[List[int]]:
     """The fastest choice of one option per layer whose predicted peak fits ``budget`` (bytes are
     rounded up, so a choice returned fits), or ``None`` if none does. With micro-batches in
-    flight, the programme runs once per cap on what each keeps (:data:`_CAPS` of them), which
-    makes it exact up to that grid."""
-    return _best(problem, budget, resolution, up=True, minimise_peak=False)[1]
+    flight, the programme runs once per cap on what each keeps (a grid of them, refined), which
+    makes it exact up to that grid; with scipy installed the MILP, exact, has the last word. At the
+    very edge, where the rounding refuses every choice,
+    the one with the smallest peak is taken if its exact peak fits."""
+    found = _best(problem, budget, resolution, up=True, minimise_peak=False)[1]
+    if problem.in_flight > 1 and have_scipy():
+        # The caps make the programme approximate here; the MILP states the problem exactly.
+        exact = solve_milp(problem, budget)
+        if exact is not None and (found is None or _seconds(problem, exact) < _seconds(problem, found)):
+            found = exact
+    if found is None:
+        _, smallest = _best(problem, None, resolution, up=True, minimise_peak=True)
+        if smallest is not None and exact_peak(problem, smallest) <= budget:
+            return smallest
+    return found
 
 
 def min_peak(problem: Problem, resolution: int = 2048) -> Tuple[float, List[int]]:
