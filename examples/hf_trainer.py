@@ -15,16 +15,20 @@ Leave the ``Trainer``'s own ``gradient_checkpointing`` off: the wrapped layers r
 
 from __future__ import annotations
 
-import argparse
 import copy
+import os
+import sys
 import tempfile
 from typing import Dict, List
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
-from hyper_parallel.core.activation_checkpoint import CheckpointPolicy, SwapManager
-from hyper_parallel.integrations.transformers import wrap_model
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling example
+
+from hf_transformers import build, parse_args  # noqa: E402
+from hyper_parallel.core.activation_checkpoint import CheckpointPolicy, SwapManager  # noqa: E402
+from hyper_parallel.integrations.transformers import wrap_model  # noqa: E402
 
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.addmm.default}
@@ -54,29 +58,21 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def build(layers: int) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+def trainer_args(out: str, steps: int) -> TrainingArguments:
+    return TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-3,
+                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                             dataloader_num_workers=0, disable_tqdm=True)
 
 
 def fit(model: LlamaForCausalLM, steps: int, out: str) -> List[float]:
-    args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-3,
-                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                             dataloader_num_workers=0, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(4 * steps, 32, model.config.vocab_size))
+    trainer = Trainer(model=model, args=trainer_args(out, steps),
+                      train_dataset=Tokens(4 * steps, 32, model.config.vocab_size))
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=4)
-    args = parser.parse_args(argv)
-
-    torch.set_num_threads(1)  # same reduction order in both models, so results compare bitwise
+    args = parse_args(argv, __doc__, steps=4)
     plain = build(args.layers)
     wrapped = wrap_model(copy.deepcopy(plain), policy_fn=policy_fn, swap_inputs=True)
     with tempfile.TemporaryDirectory() as out:

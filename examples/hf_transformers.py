@@ -54,13 +54,20 @@ def train(model: LlamaForCausalLM, steps: int) -> list:
     return losses
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
+def parse_args(argv, doc: str, steps: int, **extra: dict) -> argparse.Namespace:
+    """The examples' command line (``--steps``, ``--layers``, and ``extra`` options), with torch
+    on one intra-op thread: the same reduction order in both models, so results compare bitwise."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--layers", type=int, default=4)
-    args = parser.parse_args(argv)
+    for flag, options in extra.items():
+        parser.add_argument(flag, **options)
+    torch.set_num_threads(1)
+    return parser.parse_args(argv)
 
-    torch.set_num_threads(1)  # same reduction order in both models, so results compare bitwise
+
+def main(argv=None) -> int:
+    args = parse_args(argv, __doc__, steps=3)
     plain = build(args.layers)
     wrapped = wrap_model(copy.deepcopy(plain), policy_fn=swap_matmuls, swap_inputs=True)
 

@@ -57,3 +57,12 @@ def test_the_trainer_with_its_own_checkpointing_on_a_wrapped_model_is_a_clear_er
         with pytest.raises(ValueError, match="wrapped by hyper_parallel's checkpoint_wrapper; Hugging Face's gradient "
                                              "checkpointing cannot be switched on or off on it as well"):
             trainer.train()
+
+
+@NEEDS_ACCELERATE
+@pytest.mark.slow
+def test_a_plan_made_from_one_trainer_batch_trains_bit_exact(capsys):
+    assert load_example("hf_trainer_plan").main(["--steps", "2", "--layers", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "losses True, parameters True" in out
+    assert "layer stack: LlamaForCausalLM.model.layers" in out and "predicted peak" in out

@@ -214,21 +214,25 @@ class MemoryPlan:
         return self
 
 
-# The framework's planner part, bound by the public API module (as the engine's backend is).
-_PROBER: Optional[Any] = None
+class _Bound:
+    """The framework's planner part, bound once by the public API module (as the engine's backend
+    is): where :func:`active_prober` finds it."""
+
+    prober: Optional[Any] = None
 
 
 def set_prober(prober: Any) -> None:
     """Make ``prober`` the framework part plans use (the public API module does this)."""
-    global _PROBER
-    _PROBER = prober
+    _Bound.prober = prober
 
 
 def active_prober() -> Any:
-    if _PROBER is None:
+    """The prober bound by :func:`set_prober`."""
+    prober = _Bound.prober
+    if prober is None:
         raise RuntimeError("no planner prober is active: import hyper_parallel.core.activation_checkpoint first "
                            "(it binds the framework).")
-    return _PROBER
+    return prober
 
 
 def wrapped_kind(layer: Any) -> Optional[str]:
