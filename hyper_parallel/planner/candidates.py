@@ -31,7 +31,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .options import NONE, RECOMPUTE, LayerOption, OpKey
 from .profile import RELATIONS, Effect, LayerType
 
-__all__ = ["MIN_SWAP_BYTES", "Unit", "units_of", "candidate_options", "Calibration", "model_effect", "ZERO"]
+__all__ = ["MIN_SWAP_BYTES", "Unit", "units_of", "candidate_options", "Calibration", "model_effect", "fit", "ZERO",
+           "RECOMPUTE", "RECOMPUTE_SWAP_INPUTS", "SWAP_ALL"]
 
 #: Saved tensors below this many bytes are never swapped: moving them costs a copy launch, a
 #: host buffer and the engine's bookkeeping, for memory that does not matter.
@@ -41,6 +42,9 @@ _SIZE_CLASSES = 6  # swap_wrapper thresholds weighed per layer type
 _RETAINED = ("own_gap", "fwd_age1", "old", "bwd_prev", "last_head")
 
 ZERO = Effect({r: 0 for r in RELATIONS}, 0.0, measured=True)
+#: the options every model is calibrated on (measured first)
+RECOMPUTE_SWAP_INPUTS = LayerOption("checkpoint", swap_inputs=True, label="recompute, swap inputs")
+SWAP_ALL = LayerOption("swap", MIN_SWAP_BYTES, label="swap")
 
 
 @dataclass
@@ -111,10 +115,10 @@ def _swap_cost(cal: Calibration, nbytes: int, tensors: int) -> float:
 def candidate_options(ltype: LayerType, overlaps: bool, bytes_per_s: float) -> List[LayerOption]:
     """Every option weighed for ``ltype`` (see the module docstring), without duplicates."""
     units = units_of(ltype)
-    out: List[LayerOption] = [NONE, RECOMPUTE, LayerOption("checkpoint", swap_inputs=True, label="recompute, swap inputs")]
+    out: List[LayerOption] = [NONE, RECOMPUTE, RECOMPUTE_SWAP_INPUTS]
     sizes = sorted({s for s in ltype.record.saved_sizes if s >= MIN_SWAP_BYTES}, reverse=True)
     if sizes:
-        out.append(LayerOption("swap", MIN_SWAP_BYTES, label="swap"))
+        out.append(SWAP_ALL)
         for size in sizes[:_SIZE_CLASSES]:
             out.append(LayerOption("swap", size, label=f"swap >= {size} B"))
     expensive = _expensive_keys(ltype)

@@ -68,9 +68,9 @@ class Planner:
 
     def _calibrate(self, key: str, ltype: LayerType) -> None:
         options = self.options[key]
-        rec = self._measure(key, options[1])
-        rec_in = self._measure(key, options[2])
-        swap_all = next((o for o in options if o.kind == "swap" and o.label == "swap"), None)
+        rec = self._measure(key, cand.RECOMPUTE)
+        rec_in = self._measure(key, cand.RECOMPUTE_SWAP_INPUTS)
+        swap_all = next((o for o in options if o == cand.SWAP_ALL), None)
         swap_effect = self._measure(key, swap_all) if swap_all is not None else None
         record = ltype.record
         cal = cand.Calibration(rec, rec_in, swap_effect, self.profile.copy_bytes_per_s, self.profile.overlaps,
