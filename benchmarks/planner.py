@@ -45,6 +45,7 @@ from hyper_parallel.bench.model import GPT, GPTConfig, make_batch  # noqa: E402
 from hyper_parallel.bench.modes import RECIPES, Recipe  # noqa: E402
 from hyper_parallel.bench.postln import PostLNConfig, PostLNTransformer  # noqa: E402
 from hyper_parallel.bench.report import MiB, fmt  # noqa: E402
+from hyper_parallel.bench.sac_ilp import profile_sac_ilp, sac_ilp_available, sac_ilp_recipe  # noqa: E402
 from hyper_parallel.core.activation_checkpoint import MemoryPlan, SwapManager  # noqa: E402
 from hyper_parallel.planner import Planner, active_prober, format_bytes, solver  # noqa: E402
 
@@ -153,19 +154,20 @@ def plan_recipe(plan: MemoryPlan, name: str) -> Recipe:
 
 def sac_ilp_recipes(model: nn.Module, batches: Callable[[int], tuple], budgets: List[int],
                     log: Callable[[str], None]) -> Dict[str, Recipe]:
-    """PyTorch's sac_ilp plan at each budget, as recipes (none without ``pulp`` or its adapter)."""
-    try:
-        from hyper_parallel.bench.sac_ilp import sac_ilp_recipe  # (optional: needs pulp)
-    except ImportError as exc:
-        log(f"sac_ilp: skipped ({exc})")
+    """PyTorch's sac_ilp plan at each budget, as recipes, from one profile of the model (none
+    without ``pulp``: ``pip install -e '.[sac]'``). Its budget counts the model's parameters and
+    buffers as the runner's meter does (``baseline_bytes``); a budget below its own minimum is
+    skipped with that minimum."""
+    ok, why = sac_ilp_available()
+    if not ok:
+        log(f"sac_ilp: skipped ({why})")
         return {}
-    out: Dict[str, Recipe] = {}
-    for k, budget in enumerate(budgets):
-        try:
-            out[f"sac_ilp@{k}"] = sac_ilp_recipe(model, batches(0), budget, name=f"sac_ilp@{k}")
-        except Exception as exc:  # infeasible at this budget, or the estimators failing
-            log(f"sac_ilp at {format_bytes(budget)}: {type(exc).__name__}: {exc}")
-    return out
+    t0 = time.perf_counter()
+    profile = profile_sac_ilp(model, batches(0))
+    log(f"sac_ilp: profiled in {time.perf_counter() - t0:.1f} s")
+    static = runner.module_bytes(model)
+    return {f"sac_ilp@{k}": sac_ilp_recipe(b, batches(0), profile=profile, name=f"sac_ilp@{k}", baseline_bytes=static)
+            for k, b in enumerate(budgets)}
 
 
 # ------------------------------------------------------------------------------ one model
