@@ -119,6 +119,23 @@ class Planner:
         picked = chooser(problem)
         return None if picked is None else [per_layer[i][k] for i, k in enumerate(picked)]
 
+    def _polish(self, chosen: List[LayerOption], budget: int) -> List[LayerOption]:
+        """Give back what the programme's rounding took: layer by layer, the fastest measured
+        option that keeps the exact prediction within ``budget`` (at a budget the plain step fits,
+        every layer goes back to ``none``)."""
+        chosen = list(chosen)
+        for i, record in enumerate(self.profile.layers):  # (one pass, three tries a layer: cheap)
+            here = self.effect(record.type_key, chosen[i]).seconds
+            faster = sorted((o for o in self.options[record.type_key]
+                             if (record.type_key, o) in self.effects and self.effects[(record.type_key, o)].seconds
+                             < here), key=lambda o: self.effects[(record.type_key, o)].seconds)
+            for option in faster[:3]:
+                trial = chosen[:i] + [option] + chosen[i + 1:]
+                if predict(self.profile, self.assignment_effects(trial), self.in_flight).peak_bytes <= budget:
+                    chosen = trial
+                    break
+        return chosen
+
     def assignment_effects(self, chosen: Sequence[LayerOption]) -> List[Effect]:
         return [self.effect(r.type_key, o) for r, o in zip(self.profile.layers, chosen)]
 
@@ -137,6 +154,8 @@ class Planner:
         minimum, min_plan, where = self.min_budget()
         if chosen is None and minimum <= budget_bytes:
             chosen = min_plan  # (the programme rounds bytes up: at the very edge only the minimum fits)
+        if chosen is not None:
+            chosen = self._polish(chosen, budget_bytes)
         if chosen is None:
             parts = breakdown(self.profile, self.assignment_effects(min_plan), where)
             detail = "; ".join(f"{name} {format_bytes(n)}" for name, n in parts if n)
