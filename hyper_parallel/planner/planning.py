@@ -221,7 +221,10 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
     - ``budget``: bytes (``int``) or a string (``"512MiB"``, ``"6GB"``): the absolute peak device
       memory of one ``step_fn()`` call (``torch.cuda.max_memory_allocated()`` after
       ``reset_peak_memory_stats()`` just before it; on a CPU the live storages, the library's host
-      buffers excluded), parameters, gradients, inputs and activations included.
+      buffers excluded), parameters, gradients, inputs and activations included. On MindSpore:
+      ``mindspore.runtime.max_memory_allocated()`` on Ascend / GPU; on its CPU build, which keeps
+      no memory statistics, the planner's own count of live tensors, an estimate (see
+      ``docs/mindspore.md``).
 
     - ``microbatches_in_flight``: in a pipeline stage, how many micro-batches have run their
       forward and not yet their backward at the stage's worst moment, the current one included

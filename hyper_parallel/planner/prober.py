@@ -3,7 +3,8 @@
 The planner's core (options, cost model, solver, plans) imports no framework; one prober per
 framework supplies the rest, and the public API module binds the one of the selected framework
 (``hyper_parallel.planner.set_prober``), as it binds the engine's backend.
-``hyper_parallel.planner.torch_prober.TorchProber`` is PyTorch's.
+``hyper_parallel.planner.torch_prober.TorchProber`` is PyTorch's,
+``hyper_parallel.planner.mindspore_prober.MindSporeProber`` MindSpore's (PyNative).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def selected_platform() -> str:
 if selected_platform() == "mindspore":
     from hyper_parallel.backends.mindspore.backend import MindSporeBackend as _SelectedBackend
     from hyper_parallel.backends.mindspore.backend import pipeline_recompute, pipeline_swap
-    _SelectedProber = None  # the planner's MindSpore part: not yet
+    from hyper_parallel.planner.mindspore_prober import MindSporeProber as _SelectedProber
 else:
     from hyper_parallel.backends.torch.backend import TorchBackend as _SelectedBackend
     from hyper_parallel.backends.torch.pipeline import pipeline_recompute, pipeline_swap
