@@ -78,7 +78,6 @@ import numpy as np
 
 import mindspore as ms
 from mindspore import Tensor, nn, ops
-from mindspore.graph.api import _pynative_executor
 from mindspore.ops import Primitive
 from mindspore.utils import MsDispatchMode
 
@@ -124,12 +123,12 @@ def _synchronize() -> None:
     """Wait for every launched kernel: MindSpore runs kernels asynchronously on a CPU too (a copy
     returns in microseconds and runs for milliseconds after). On a CPU the public
     ``mindspore.runtime.synchronize()`` declines (it logs "CPU device is not supported" and
-    returns), so the PyNative executor's own stream sync is used there (private, as
-    ``hyper_parallel.backends.mindspore._shim``'s helpers are)."""
+    returns), so the PyNative executor's own stream sync is used there (private: the shim's
+    ``sync_pynative``)."""
     if _accelerator() is not None:
         ms.runtime.synchronize()
     else:
-        _pynative_executor.sync()
+        _shim.sync_pynative()
 
 
 @contextlib.contextmanager
@@ -792,6 +791,32 @@ class MindSporeProber:
     @staticmethod
     def is_layer(x: Any) -> bool:
         return isinstance(x, nn.Cell)
+
+    @staticmethod
+    def is_stack(x: Any) -> bool:
+        """Whether ``x`` is a layer stack itself (a ``CellList``, a ``SequentialCell``, a list)."""
+        return isinstance(x, (nn.CellList, nn.SequentialCell, list, tuple))
+
+    @staticmethod
+    def find_layers(model: nn.Cell) -> Tuple[str, List[nn.Cell]]:
+        """A model's layer stack: the longest ``CellList`` of cells of one class (its attribute
+        path and layers); none, or two of the same length, is a ``ValueError`` naming them."""
+        found = []
+        for name, cell in model.cells_and_names():
+            if isinstance(cell, nn.CellList) and len(cell) and len({type(c) for c in cell}) == 1:
+                found.append((len(cell), name, list(cell)))
+        if not found:
+            raise ValueError(f"plan_memory: {type(model).__name__} holds no nn.CellList of cells of one class; pass its "
+                             "layer stack itself")
+        found.sort(key=lambda f: -f[0])
+        if len(found) > 1 and found[0][0] == found[1][0]:
+            raise ValueError(f"plan_memory: {type(model).__name__} holds two layer stacks of {found[0][0]} cells "
+                             f"({found[0][1]!r}, {found[1][1]!r}); pass the one to plan")
+        return found[0][1], found[0][2]
+
+    @staticmethod
+    def after_wrap(model: Any, layers: Sequence[nn.Cell], recomputes: bool) -> None:
+        """Nothing: no MindSpore model needs more once its layers are wrapped."""
 
     def wrap(self, layer: nn.Cell, option: LayerOption, seen: Sequence[OpKey]) -> Any:
         """Wrap ``layer`` in place for ``option`` through the public API; the generated policy."""

@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - older MindSpore
     _DisableMsDispatchMode = None  # type: ignore[assignment]
 
 __all__ = ["in_backward", "recording_grad", "no_grad", "hidden_from_dispatch", "internal", "disable_pipeline",
-           "restore_pipeline", "mstx_range_start", "mstx_range_end"]
+           "restore_pipeline", "mstx_range_start", "mstx_range_end", "sync_pynative"]
 
 
 def in_backward() -> bool:
@@ -84,3 +84,10 @@ def mstx_range_start(name: str) -> Any:
 def mstx_range_end(range_id: Any) -> None:
     if _mstx is not None:
         _mstx.range_end(range_id)
+
+
+def sync_pynative() -> None:
+    """Wait for every kernel PyNative has queued. On a CPU the public
+    ``mindspore.runtime.synchronize()`` declines (it logs "CPU device is not supported" and returns);
+    the memory planner times steps with this there."""
+    _pynative_executor.sync()
