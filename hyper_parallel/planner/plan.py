@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from hyper_parallel.core.swap_manager import SwapManager
+from hyper_parallel.core.wrapping import wrapper_of
 
 from .budget import format_bytes
 from .options import LayerOption, OpKey
@@ -100,7 +101,7 @@ class MemoryPlan:
             raise RuntimeError("MemoryPlan.apply(): this plan was applied already; a layer is wrapped once. Make "
                                "a new plan (or MemoryPlan.from_json) for another copy of the model.")
         for choice, layer in zip(self.choices, self.layers):
-            kind = wrapped_kind(layer)
+            kind = wrapper_of(layer)
             if kind is not None:
                 raise ValueError(f"MemoryPlan.apply(): layer {choice.index} ({type(layer).__name__}) is already wrapped "
                                  f"({kind}); the plan wraps the layers itself. Plan (and apply) on the unwrapped model.")
@@ -233,12 +234,3 @@ def active_prober() -> Any:
         raise RuntimeError("no planner prober is active: import hyper_parallel.core.activation_checkpoint first "
                            "(it binds the framework).")
     return prober
-
-
-def wrapped_kind(layer: Any) -> Optional[str]:
-    """Which of the library's wrappers ``layer`` carries already (``None``: none)."""
-    for cls in type(layer).__mro__:
-        kind = cls.__dict__.get("_hp_kind")
-        if kind is not None:
-            return f"{kind}_wrapper"
-    return None

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from hyper_parallel.core.swap_manager import SwapManager
+from hyper_parallel.core.wrapping import wrapper_of
 
 from . import candidates as cand
 from . import solver
 from .budget import format_bytes, parse_budget
 from .cost import breakdown, predict, reference_retained
 from .options import LayerOption, OpKey
-from .plan import LayerChoice, MemoryPlan, active_prober, wrapped_kind
+from .plan import LayerChoice, MemoryPlan, active_prober
 from .profile import Effect, LayerType, StepProfile
 
 __all__ = ["plan_memory", "Planner"]
@@ -286,7 +287,7 @@ def _layer_list(layers: Any, prober: Any) -> List[Any]:
     for i, layer in enumerate(stack):
         if not prober.is_layer(layer):
             raise TypeError(f"plan_memory: layer {i} is a {type(layer).__name__}, not a module")
-        kind = wrapped_kind(layer)
+        kind = wrapper_of(layer)
         if kind is not None:
             raise ValueError(f"plan_memory: layer {i} ({type(layer).__name__}) is already wrapped by {kind}; plan on "
                              "the unwrapped layers (the plan wraps them itself when applied)")
