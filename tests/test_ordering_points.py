@@ -8,6 +8,8 @@ applies them all again."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from hyper_parallel.core.activation_checkpoint import SwapManager
@@ -29,7 +31,7 @@ def _assert_clean(scenario):
 
     def run(sim):
         result = scenario(sim)
-        SwapManager().reset()  # settles what is left; the pool must then be idle
+        gc.collect()  # (every graph of the schedule is dead by now: each host buffer is back)
         pool.update(SwapManager().stats()["host_pool"])
         return result
 
@@ -63,7 +65,8 @@ def test_failed_copy_returns_its_buffer_guarded(bucketing):
     Caught mutation: the guard of the failure-path release -> ``None``: solo,
     ``self.pool.release(host, t.nbytes, None)`` in ``SwapGroup._start_offloads``'s solo branch;
     buckets, ``bucket.release(None)`` in its bucket branch (the D2H on copy2 rewrites the buffer
-    before the H2D on copy0 that reads it is known to be done)."""
+    before the H2D on copy0 that reads it is known to be done). Buckets also: that release
+    deleted (the bucket's buffer is never given back: the pool is not idle at the end)."""
     _assert_clean(sc.failed_copy_buffer_reused)
 
 
@@ -100,4 +103,26 @@ def test_load_waited_on_another_stream_protects_its_blocks(bucketing):
     (the blocks are freed while the H2D on copy0 is not ordered before the free, and nothing else
     protects them: no unpack ran, so ``_order_use_after_load`` never did)."""
     sim = _assert_clean(sc.load_waited_on_another_stream_graph_dies)
+    assert sim.counts["record_stream"] > 0
+
+
+# ------------------------------------------------------------------ found by the mutation runner
+def test_storage_saved_on_two_streams_is_protected(bucketing):
+    """A storage saved on the default stream and again on a side stream, released (wait_offload on
+    the default stream) before that stream waits the side stream: the copy stream waits both
+    producers, and the source is ``record_stream``-ed on it, which covers the side stream's read.
+
+    Caught mutation: ``self.producers.append(stream)`` deleted, or ``stream = facts.stream`` ->
+    ``None``, in ``SwapTensor.add_alias`` (the side stream is not known as a producer: nothing
+    protects the source, freed while ``aten.cos`` on compute1 may still read it)."""
+    _assert_clean(sc.storage_saved_on_two_streams)
+
+
+def test_graph_dying_mid_d2h_protects_its_sources(bucketing):
+    """An abandoned step: the graph dies while its offload is in flight, and with it the sources
+    the D2H still reads; ``SwapTensor.__del__`` ``record_stream``-s each on the copy stream.
+
+    Caught mutation: ``self._protect(self._src, self._copy_stream)`` deleted in
+    ``SwapTensor.__del__`` (a source freed while the D2H on copy0 reads it: poisoned)."""
+    sim = _assert_clean(sc.graph_dies_mid_d2h)
     assert sim.counts["record_stream"] > 0

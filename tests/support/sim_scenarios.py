@@ -329,6 +329,68 @@ def load_waited_on_another_stream_graph_dies(sim: SimDevice) -> None:
     sim.synchronize()
 
 
+class TwoStreamBlock(torch.nn.Module):
+    """``h = fc(x)`` saved twice in one region: by ``sin`` on the current stream and by ``cos`` on
+    ``side`` (a block that overlaps part of its work on a side stream); returns ``(a, b)``, the
+    second produced on ``side`` and not joined back into the current stream."""
+
+    def __init__(self, sim: SimDevice, side: Any) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.fc = torch.nn.Linear(NET["dim"], NET["dim"])
+        self.sim, self.side = sim, side
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.fc(x)
+        a = h.sin() + h.exp()  # saves h, and exp's output, on the current stream
+        main = self.sim.current_stream()
+        with self.sim.stream(self.side):
+            self.side.wait_stream(main)
+            b = h.cos()  # saves h again, on the side stream
+        return a, b
+
+
+def storage_saved_on_two_streams(sim: SimDevice) -> None:
+    """A storage saved on the default stream and again on a side stream; the offload is launched
+    and waited on the default stream before it waits the side stream (the side stream's read may
+    still be in flight when the engine releases the source). Checks the gradients itself."""
+    mgr = SwapManager()
+    main, side = sim.current_stream(), sim.new_stream()
+    x = torch.randn(4, NET["seq"], NET["dim"], generator=torch.Generator().manual_seed(0))
+    plain = TwoStreamBlock(sim, side)
+    a, b = plain(x)
+    main.wait_stream(side)
+    sim.mark_used_by(b, main)  # (the program's own record_stream: b, made on the side stream, is used here)
+    (a + b).square().mean().backward()
+    expected = grads(plain)
+    block = swap_wrapper(TwoStreamBlock(sim, side))
+    a, b = forward_into(block, "g", x)
+    mgr.launch_offload("g")
+    mgr.wait_offload("g")
+    main.wait_stream(side)
+    sim.mark_used_by(b, main)
+    loss = (a + b).square().mean()
+    mgr.launch_load("g")
+    mgr.wait_load("g")
+    loss.backward()
+    got = grads(block)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected), \
+        "wrong gradients"
+
+
+def graph_dies_mid_d2h(sim: SimDevice, group: str = "g") -> None:
+    """Forward; launch the offload; drop the graph before wait_offload (an abandoned step): the
+    sources die while their D2H may still read them."""
+    mgr = SwapManager()
+    net = swapped_net()
+    loss = forward_into(net, group)
+    mgr.launch_offload(group)
+    del loss
+    gc.collect()
+    sim.synchronize()
+
+
 def run_simulated(scenario: Callable[[SimDevice], Any], **options: Any) -> Any:
     """Run ``scenario`` on a fresh non-strict ``SimDevice`` (hazards are collected, not raised);
     returns ``(result, violations, sim)``; a scenario that raises returns its exception."""
