@@ -237,7 +237,8 @@ def _pytest(tree: Path, tests: Sequence[str], timeout: float) -> Tuple[str, str]
     out = proc.stdout + proc.stderr
     failed = [line.split(" - ")[0] for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     outcome = {0: "passed", 1: "failed"}.get(proc.returncode, "error")
-    return outcome, (failed[0] if failed else out.strip().splitlines()[-1] if out.strip() else f"exit {proc.returncode}")
+    last = out.strip().splitlines()[-1] if out.strip() else f"exit {proc.returncode}"
+    return outcome, failed[0] if failed else last
 
 
 def _copy_tree(root: Path, dest: Path) -> Path:
@@ -285,13 +286,13 @@ def _print_list(mutants: Iterable[Mutant]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hyper_parallel.testing.mutations", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m hyper_parallel.testing.mutations",
+                                     description="Mutation audit of the stream ordering (see the module docstring).")
     parser.add_argument("-j", "--jobs", type=int, default=2, help="mutants run at once (default 2)")
     parser.add_argument("--list", action="store_true", help="list the sites and mutants, run nothing")
     parser.add_argument("--only", default="", help="only mutants whose 'path:line Class.function' contains this")
     parser.add_argument("--tests", nargs="+", default=list(ORDERING_TESTS),
-                        help="pytest arguments to run per mutant (default: the ordering tests)")
+                        help="test files or node ids to run per mutant (default: the ordering tests)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant before it counts as caught "
                                                                       "by a hang (default 900)")
     args = parser.parse_args(argv)
@@ -304,8 +305,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"tests per mutant: {' '.join(args.tests)}", flush=True)
     results = run_mutants(mutants, args.tests, args.jobs, args.timeout)
     survivors = [m for m, outcome, _ in results if outcome == "survived"]
-    caught = len(results) - len(survivors)
-    print(f"\n{len(sites)} sites, {len(mutants)} mutants: {caught} caught, {len(survivors)} survived")
+    crashed = sum(1 for _, outcome, _ in results if outcome in ("error", "timeout"))
+    print(f"\n{len(sites)} sites, {len(mutants)} mutants: {len(results) - len(survivors)} caught "
+          f"({crashed} of them by a collection error or a hang), {len(survivors)} survived")
     for m in survivors:
         print(f"SURVIVED {m.path}:{m.line} {m.where} ({m.kind})\n    - {m.original}\n    + {m.replacement}")
     return 1 if survivors else 0
