@@ -40,16 +40,20 @@ def _run(argv, tmp_path, **env):
 @pytest.mark.slow
 def test_gpu_suite_tiny_runs_every_stage(tmp_path):
     """The whole suite at the smoke-test size (on CPU via SUITE_ALLOW_CPU when there is no GPU):
-    compare_peers with traces, and both sweeps. At this size the suite sets no stage time limit."""
+    the GPU stream tests (skipped without CUDA), compare_peers with traces, and both sweeps. At
+    this size the suite sets no stage time limit."""
     out = tmp_path / "out"
     proc, report = _run(["bash", os.path.join(BENCH, "gpu_suite.sh")], tmp_path, OUT=str(out),
                         PYTHON=sys.executable, SUITE_QUICK="tiny", SUITE_ALLOW_CPU="1")
     assert proc.returncode == 0, report
     summary = (out / "summary.txt").read_text()
-    for stage in ("compare", "sweep_layers", "sweep_seq", "bench_trace"):
+    for stage in ("gpu_streams", "compare", "sweep_layers", "sweep_seq", "bench_trace"):
         assert f"--- [{stage}] ok" in summary, summary
+    assert summary.index("[gpu_streams]") < summary.index("[compare]")  # the ordering tests come first
     assert "TIMED OUT" not in summary
     assert (out / "env.txt").exists()
+    if not torch.cuda.is_available():  # skipped, with its reason
+        assert "needs a CUDA device" in (out / "gpu_streams.log").read_text()
 
     # --- compare_peers
     doc = json.loads((out / "compare.json").read_text())

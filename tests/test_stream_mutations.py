@@ -21,6 +21,7 @@ SCENARIOS = {
     "layer_streams": lambda sim: sc.chained_step(sim, layer_streams=True),
     "cancel": sc.cancelled_offload,
     "dies_mid_h2d": sc.graph_dies_mid_h2d,
+    "dies_mid_d2h": sc.graph_dies_mid_d2h,
     "side_stream": sc.side_stream_producer,
     "unordered_side_stream": sc.offload_from_an_unordered_stream,
     "other_consumer": sc.consumer_on_another_stream,
@@ -109,11 +110,12 @@ def test_without_host_buffer_reuse_guard(monkeypatch):
 
 @pytest.mark.parametrize("name,needle", [
     ("dies_mid_h2d", "was freed while the H2D copy on copy0@dev0"),   # a destination dying mid-H2D
+    ("dies_mid_d2h", "was freed while the D2H copy on copy0@dev0"),   # a source dying mid-D2H
     ("cancel", "was freed while the D2H copy on copy0@dev0"),         # a cancelled offload's source
     ("side_stream", "was freed while the D2H copy on copy0@dev0"),    # a source made on a side stream
     ("layer_streams", "was freed while the D2H copy on copy0@dev0"),  # sources of per-layer streams
     ("other_consumer", "(allocated on compute0@dev0) was freed while the aten"),  # a reload used elsewhere
-], ids=["dies_mid_h2d", "cancel", "side_stream", "layer_streams", "other_consumer"])
+], ids=["dies_mid_h2d", "dies_mid_d2h", "cancel", "side_stream", "layer_streams", "other_consumer"])
 def test_without_record_stream(monkeypatch, name, needle):
     """Each place the engine calls ``record_stream`` (``SwapTensor._protect``), removed: a block is
     freed while another stream's copy or read of it may still be in flight."""

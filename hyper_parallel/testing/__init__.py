@@ -11,6 +11,9 @@ clocks, waits merge them) raises :class:`StreamHazard` on an access not ordered 
 stream's conflicting access, on a free that another stream's access is not ordered before (and
 that ``record_stream`` does not cover), and on an allocation made while a copy stream is current.
 
+``python -m hyper_parallel.testing.mutations`` (run by hand) mutates every ordering call site of the
+engine and the backends in a scratch copy and reports the mutants that the ordering tests miss.
+
 Example::
 
     >>> import torch

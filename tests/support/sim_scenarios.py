@@ -6,6 +6,7 @@ bit with :func:`reference_grads` (the same net without any wrapper)."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -202,6 +203,192 @@ def host_buffer_reused_on_another_copy_stream(sim: SimDevice) -> Dict[str, torch
     mgr.wait_load("b")
     loss_b.backward()
     return grads(net_b)
+
+
+def forward_into(net: ToyNet, group: str, x: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The loss of one forward of ``net`` whose swap regions save into ``group``."""
+    mgr = SwapManager()
+    mgr.set_current_group_name(group)
+    try:
+        return net(make_input(net) if x is None else x)
+    finally:
+        mgr.set_current_group_name(None)
+
+
+def round_trip(group: str, copy_stream: Any = None) -> None:
+    """Offload ``group``, wait, load it back, wait (atomic API, on ``copy_stream``)."""
+    mgr = SwapManager()
+    mgr.launch_offload(group, copy_stream)
+    mgr.wait_offload(group)
+    mgr.launch_load(group, copy_stream)
+    mgr.wait_load(group)
+
+
+# ------------------------------------------------------------------ issue 25: the five hazard classes
+def cancelled_offload_buffer_reused(sim: SimDevice) -> Dict[str, torch.Tensor]:
+    """Group ``a``'s offload on copy stream 1 is cancelled by its load while the D2H may still
+    write the host buffers, which go back to the pool (guarded by the D2H event); group ``b``, of
+    the same sizes, is then offloaded on copy stream 2 into those buffers. Returns ``b``'s grads
+    (``a``'s, which never left the device, must be exact too: checked here)."""
+    mgr = SwapManager()
+    s1, s2 = sim.new_copy_stream(), sim.new_copy_stream()
+    net_a, net_b = swapped_net(), swapped_net()
+    loss_a = forward_into(net_a, "a")
+    mgr.launch_offload("a", s1)
+    mgr.launch_load("a", s1)  # cancels the offload: nothing waits its D2H
+    mgr.wait_load("a")
+    loss_b = forward_into(net_b, "b")
+    round_trip("b", s2)
+    loss_b.backward()
+    loss_a.backward()
+    assert equal_grads(grads(net_a)), "group a (offload cancelled) has wrong gradients"
+    return grads(net_b)
+
+
+def failed_copy_buffer_reused(sim: SimDevice) -> Dict[str, torch.Tensor]:
+    """Group ``a`` is loaded on copy stream 1 and abandoned (its host buffers go back guarded by
+    the load's event while the H2D may still read them). Group ``b``'s offload on copy stream 2
+    takes one of those buffers (its copy stream waits that guard) and its first copy fails: the
+    buffer goes back with a new guard. Group ``c`` is then offloaded on copy stream 3 into it."""
+    mgr = SwapManager()
+    s1, s2, s3 = sim.new_copy_stream(), sim.new_copy_stream(), sim.new_copy_stream()
+    net_a, net_b, net_c = swapped_net(), swapped_net(), swapped_net()
+    loss_a = forward_into(net_a, "a")
+    mgr.launch_offload("a", s1)
+    mgr.wait_offload("a")
+    mgr.launch_load("a", s1)
+    del loss_a  # abandoned: nobody waits that load
+    loss_b = forward_into(net_b, "b")
+
+    def fail(*args: Any) -> None:
+        del sim.before_call["copy_bytes"]  # only the first copy fails
+        raise RuntimeError("injected copy failure")
+
+    sim.before_call["copy_bytes"] = fail
+    try:
+        mgr.launch_offload("b", s2)
+    except RuntimeError as exc:
+        assert "injected" in str(exc), exc
+    else:
+        raise AssertionError("the injected copy failure did not reach launch_offload's caller")
+    loss_c = forward_into(net_c, "c")
+    round_trip("c", s3)
+    loss_c.backward()
+    loss_b.backward()  # b never left the device
+    assert equal_grads(grads(net_b)), "group b (failed offload) has wrong gradients"
+    return grads(net_c)
+
+
+def reload_on_another_copy_stream_dies(sim: SimDevice) -> None:
+    """A group offloaded on copy stream 1 is loaded on copy stream 2, and its graph dies before
+    the load is waited: the destinations are freed while the H2D on stream 2 still writes them."""
+    mgr = SwapManager()
+    s1, s2 = sim.new_copy_stream(), sim.new_copy_stream()
+    net = swapped_net()
+    loss = forward_into(net, "g")
+    mgr.launch_offload("g", s1)
+    mgr.wait_offload("g")
+    mgr.launch_load("g", s2)
+    del loss
+    gc.collect()
+    sim.synchronize()
+
+
+def host_buffer_shared_by_two_devices(sim: SimDevice) -> Dict[str, torch.Tensor]:
+    """Host buffers are one pool for every device, streams are per device: group ``a`` (device 0)
+    makes its round trip, and its host buffers go back to the pool while device 0's H2D may still
+    read them; group ``b``, of the same sizes on device 1, is then offloaded into them on device
+    1's copy stream, which waits only device 1's compute. Returns ``b``'s gradients."""
+    net_a, net_b = swapped_net(), sim.place(swapped_net(), 1)
+    loss_a = forward_into(net_a, "a")
+    round_trip("a")
+    loss_b = forward_into(net_b, "b", sim.place(make_input(net_b), 1))
+    round_trip("b")
+    loss_b.backward()
+    loss_a.backward()
+    assert equal_grads(grads(net_a)), "group a (device 0) has wrong gradients"
+    return sim.place(grads(net_b), 0)
+
+
+def load_waited_on_another_stream_graph_dies(sim: SimDevice) -> None:
+    """A load launched on the default stream (the destinations belong to its pool) is waited on
+    stream ``other``; then the graph dies before anything unpacks a reloaded tensor: the blocks go
+    back to the default stream's pool, which never waited the H2D."""
+    mgr = SwapManager()
+    net = swapped_net()
+    main, other = sim.current_stream(), sim.new_stream()
+    loss = forward_into(net, "g")
+    mgr.launch_offload("g")
+    mgr.wait_offload("g")
+    mgr.launch_load("g")
+    with sim.stream(other):
+        other.wait_stream(main)
+        mgr.wait_load("g")
+    del loss
+    gc.collect()
+    sim.synchronize()
+
+
+class TwoStreamBlock(torch.nn.Module):
+    """``h = fc(x)`` saved twice in one region: by ``sin`` on the current stream and by ``cos`` on
+    ``side`` (a block that overlaps part of its work on a side stream); returns ``(a, b)``, the
+    second produced on ``side`` and not joined back into the current stream."""
+
+    def __init__(self, sim: SimDevice, side: Any) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.fc = torch.nn.Linear(NET["dim"], NET["dim"])
+        self.sim, self.side = sim, side
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.fc(x)
+        a = h.sin() + h.exp()  # saves h, and exp's output, on the current stream
+        main = self.sim.current_stream()
+        with self.sim.stream(self.side):
+            self.side.wait_stream(main)
+            b = h.cos()  # saves h again, on the side stream
+        return a, b
+
+
+def storage_saved_on_two_streams(sim: SimDevice) -> None:
+    """A storage saved on the default stream and again on a side stream; the offload is launched
+    and waited on the default stream before it waits the side stream (the side stream's read may
+    still be in flight when the engine releases the source). Checks the gradients itself."""
+    mgr = SwapManager()
+    main, side = sim.current_stream(), sim.new_stream()
+    x = torch.randn(4, NET["seq"], NET["dim"], generator=torch.Generator().manual_seed(0))
+    plain = TwoStreamBlock(sim, side)
+    a, b = plain(x)
+    main.wait_stream(side)
+    sim.mark_used_by(b, main)  # (the program's own record_stream: b, made on the side stream, is used here)
+    (a + b).square().mean().backward()
+    expected = grads(plain)
+    block = swap_wrapper(TwoStreamBlock(sim, side))
+    a, b = forward_into(block, "g", x)
+    mgr.launch_offload("g")
+    mgr.wait_offload("g")
+    main.wait_stream(side)
+    sim.mark_used_by(b, main)
+    loss = (a + b).square().mean()
+    mgr.launch_load("g")
+    mgr.wait_load("g")
+    loss.backward()
+    got = grads(block)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected), \
+        "wrong gradients"
+
+
+def graph_dies_mid_d2h(sim: SimDevice, group: str = "g") -> None:
+    """Forward; launch the offload; drop the graph before wait_offload (an abandoned step): the
+    sources die while their D2H may still read them."""
+    mgr = SwapManager()
+    net = swapped_net()
+    loss = forward_into(net, group)
+    mgr.launch_offload(group)
+    del loss
+    gc.collect()
+    sim.synchronize()
 
 
 def run_simulated(scenario: Callable[[SimDevice], Any], **options: Any) -> Any:
