@@ -242,7 +242,7 @@ def test_a_wrapped_model_pickles_and_deep_copies_with_its_route():
 def test_docstring_examples():
     result = doctest.testmod(hf_integration, verbose=False)
     assert result.attempted > 0 and result.failed == 0
-    assert hf_integration.__all__ == ["wrap_model", "HF_LAYERS"]
+    assert hf_integration.__all__ == ["checkpoint_above", "wrap_model", "HF_LAYERS"]
 
 
 @pytest.mark.slow
