@@ -371,3 +371,21 @@ def test_bad_arguments_are_clear_errors():
         plan_memory(model.layers, lambda: None, "much")
     with pytest.raises(RuntimeError, match="every layer's forward once"):
         plan_memory(model.layers, lambda: model.layers[0](torch.randn(2, 8, _CFG.dim), mask=model.mask), "1GiB")
+
+
+def test_tensors_kept_by_torch_compile_caches_are_not_memory():
+    """``torch.compile`` keeps the fake tensors it traced with (a meta storage of symbolic size,
+    though the tensor says ``cpu``) alive in its caches; the CPU count of live storages must not
+    read them (it did: a symbolic byte count broke the solver when a compiled test ran first)."""
+    torch.manual_seed(0)
+    model = GPT(_CFG, seed=5)
+    step = lambda: _loss(model, 0).backward()  # noqa: E731
+    prober = active_prober()
+    before = prober.profile_step(list(model.layers), step)
+    model.zero_grad(set_to_none=True)
+    traced = torch.compile(lambda x: (x * 2).sin(), dynamic=True, backend="eager")
+    traced(torch.randn(8, 4)), traced(torch.randn(9, 4))
+    after = prober.profile_step(list(model.layers), step)
+    assert all(type(s.peak) is int for s in after.segments)
+    assert [s.peak for s in after.segments] == [s.peak for s in before.segments]
+    assert Planner(list(model.layers), after, prober).min_budget()[0] > 0

@@ -711,10 +711,11 @@ def _unrelated_bytes(recorder: _Recorder) -> int:
     objs = gc.get_objects()
     try:
         for obj in objs:
-            if not issubclass(type(obj), tensor_type) or obj.device.type != "cpu" or obj.layout is not torch.strided \
-                    or obj.is_meta:
+            if not issubclass(type(obj), tensor_type) or obj.layout is not torch.strided:
                 continue
             storage = obj.untyped_storage()
+            if storage.device.type != "cpu":  # (a traced tensor, kept by torch.compile's caches, says "cpu" but holds
+                continue                      # a meta storage of symbolic size: no memory)
             key = _storage_key(obj)
             if key in seen or key in recorder.created or key in recorder.reached or is_host_storage(storage):
                 continue
