@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The accelerator benchmark suite of hyper-parallel, in one go (about 6 minutes on one H200, capped
-# at under 12 by per-stage timeouts):
+# The accelerator benchmark suite of hyper-parallel, in one go (its length on one H200 is an estimate
+# until it is run there whole; capped at under 14 minutes by per-stage timeouts):
 #
 #   0. gpu_streams: tests/test_gpu_streams.py, the stream ordering on real CUDA streams (delayed
 #      copies, PyTorch's stream sanitizer, the four backend primitives mutated); skipped, with its
@@ -11,6 +11,8 @@
 #      trace per variant
 #   2. scaling curves: --sweep layers (4 -> 32) and --sweep seq (512 -> 4096)
 #   3. python -m hyper_parallel.bench --trace (when that flag exists): one trace per mode
+#   4. planner: benchmarks/planner.py, the memory planner at 8 budgets per model beside every fixed
+#      recipe and PyTorch's sac_ilp (with the copy window in play: swap can be free here)
 #
 # Usage:  bash benchmarks/gpu_suite.sh            (results in $OUT when set, else ./results/gpu)
 # Env:    PYTHON=python3      interpreter with a CUDA/NPU/XPU build of torch (default: python3)
@@ -82,19 +84,22 @@ if [[ "${SUITE_QUICK:-0}" == "tiny" ]]; then  # the smoke test's size: seconds, 
     SWEEP_L=(--dim 32 --heads 2 --seq 16 --batch 2 --dtype "$DTYPE" --rounds 1 --warmup 0 --values 2,3 --variants none,torch_ckpt,ours_ckpt_swap)
     SWEEP_S=(--dim 32 --heads 2 --layers 2 --batch 2 --dtype "$DTYPE" --rounds 1 --warmup 0 --values 8,16 --variants none,torch_ckpt,ours_ckpt_swap)
     BENCH=(--layers 2 --dim 32 --heads 2 --seq 16 --batch 2 --steps 2)
-    T_GPU=0; T_CMP=0; T_SWEEP=0; T_BENCH=0  # 0: no time limit (a test checks what ran, not how fast)
+    PLAN=(--models gpt --budgets 2 --rounds 1 --gpt-layers 2 --gpt-dim 32 --seq 16 --batch 2 --no-sac-ilp --no-solve-32)
+    T_GPU=0; T_CMP=0; T_SWEEP=0; T_BENCH=0; T_PLAN=0  # 0: no time limit (a test checks what ran, not how fast)
 elif [[ "${SUITE_QUICK:-0}" == "1" ]]; then
     BIG=(--dim 256 --heads 4 --layers 4 --seq 256 --batch 2 --dtype "$DTYPE" --rounds 3 --probe-mib 64)
     SWEEP_L=(--dim 256 --heads 4 --seq 256 --batch 1 --dtype "$DTYPE" --values 2,4,8)
     SWEEP_S=(--dim 256 --heads 4 --layers 4 --batch 1 --dtype "$DTYPE" --values 128,256,512)
     BENCH=()
-    T_GPU=240; T_CMP=120; T_SWEEP=90; T_BENCH=60
+    PLAN=(--models gpt --budgets 3 --rounds 3 --seq 512 --gpt-dim 256)
+    T_GPU=240; T_CMP=120; T_SWEEP=90; T_BENCH=60; T_PLAN=90
 else
     BIG=(--dim 2048 --heads 16 --layers 16 --seq 2048 --batch 2 --dtype "$DTYPE" --rounds 9)
     SWEEP_L=(--dim 2048 --heads 16 --seq 2048 --batch 1 --dtype "$DTYPE" --values 4,8,16,32)
     SWEEP_S=(--dim 2048 --heads 16 --layers 8 --batch 1 --dtype "$DTYPE" --values 512,1024,2048,4096)
     BENCH=()
-    T_GPU=240; T_CMP=190; T_SWEEP=110; T_BENCH=35  # 685 s of stage limits + ~15 s of start-up: < 12 min
+    PLAN=(--batch 4 --seq 1024 --gpt-dim 1024 --postln-dim 1024 --llama-dim 1024)
+    T_GPU=240; T_CMP=170; T_SWEEP=90; T_BENCH=35; T_PLAN=150  # 775 s of stage limits + start-up: < 14 min
 fi
 
 stage() {  # stage NAME TIMEOUT_S CMD...   (TIMEOUT_S 0: no limit)
@@ -148,6 +153,9 @@ else
     echo "=== [bench_trace] skipped: python -m hyper_parallel.bench has no --trace flag in this checkout" \
         | tee -a "$SUMMARY"
 fi
+
+stage planner "$T_PLAN" "$PYTHON" benchmarks/planner.py --device "$DEVICE" "${PLAN[@]}" \
+    --json "$OUT_DIR/planner.json" --plot "$OUT_DIR/planner.png"
 
 echo "total $(( $(date +%s) - START ))s; results in $OUT_DIR" | tee -a "$SUMMARY"
 exit $FAILED

@@ -47,7 +47,7 @@ def test_gpu_suite_tiny_runs_every_stage(tmp_path):
                         PYTHON=sys.executable, SUITE_QUICK="tiny", SUITE_ALLOW_CPU="1")
     assert proc.returncode == 0, report
     summary = (out / "summary.txt").read_text()
-    for stage in ("gpu_streams", "compare", "sweep_layers", "sweep_seq", "bench_trace"):
+    for stage in ("gpu_streams", "compare", "sweep_layers", "sweep_seq", "bench_trace", "planner"):
         assert f"--- [{stage}] ok" in summary, summary
     assert summary.index("[gpu_streams]") < summary.index("[compare]")  # the ordering tests come first
     assert "TIMED OUT" not in summary
@@ -109,8 +109,14 @@ def test_gpu_suite_tiny_runs_every_stage(tmp_path):
     assert [r["mode"] for r in bench["results"]] == ["none", "recompute", "save", "swap"]
     assert all(r["matches_baseline"] for r in bench["results"])
     assert {p.name for p in (out / "bench_traces").iterdir()} == {f"{m}.json" for m in ("none", "recompute", "save", "swap")}
+    # --- the planner beside the recipes: every plan within its budget, every row training like none
+    planned = json.loads((out / "planner.json").read_text())["models"][0]
+    plans = {n: r for n, r in planned["rows"].items() if n.startswith("plan@")}
+    assert len(plans) == 2 and not planned["errors"], planned["errors"]
+    assert all(r["peak_bytes"] <= r["budget_bytes"] for r in plans.values()), plans
+    assert all(r["grads_equal_to_none"] for r in planned["rows"].values())
     if HAVE_MPL:
-        for png in ("compare.png", "sweep_layers.png", "sweep_seq.png"):
+        for png in ("compare.png", "sweep_layers.png", "sweep_seq.png", "planner.png"):
             assert (out / png).stat().st_size > 1000, png
 
 
