@@ -94,7 +94,7 @@ class Planner:
         for record in self.profile.layers:
             opts = self.options[record.type_key]
             if measured_only:
-                opts = [o for o in opts if (record.type_key, o) in self.effects]
+                opts = self._measured(record.type_key)
             per_layer.append(opts)
             effects.append([self.effect(record.type_key, o) for o in opts])
         return solver.Problem(self.profile.segments, effects, self.profile.held_inputs(), self.in_flight,
@@ -127,15 +127,20 @@ class Planner:
         chosen = list(chosen)
         for i, record in enumerate(self.profile.layers):  # (one pass, three tries a layer: cheap)
             here = self.effect(record.type_key, chosen[i]).seconds
-            faster = sorted((o for o in self.options[record.type_key]
-                             if (record.type_key, o) in self.effects and self.effects[(record.type_key, o)].seconds
-                             < here), key=lambda o: self.effects[(record.type_key, o)].seconds)
+            # (at equal time, leaving the layer alone first: a probe's noise can make an option "free")
+            seconds = {o: self.effect(record.type_key, o).seconds for o in self._measured(record.type_key)}
+            faster = sorted((o for o, t in seconds.items() if o != chosen[i] and (t < here or t == here and o.kind
+                             == "none")), key=lambda o: (seconds[o], o.kind != "none"))
             for option in faster[:3]:
                 trial = chosen[:i] + [option] + chosen[i + 1:]
                 if predict(self.profile, self.assignment_effects(trial), self.in_flight).peak_bytes <= budget:
                     chosen = trial
                     break
         return chosen
+
+    def _measured(self, key: str) -> List[LayerOption]:
+        """The options of type ``key`` whose effect is known, not modelled (``none``'s always is)."""
+        return [o for o in self.options[key] if self.effect(key, o).measured]
 
     def assignment_effects(self, chosen: Sequence[LayerOption]) -> List[Effect]:
         return [self.effect(r.type_key, o) for r, o in zip(self.profile.layers, chosen)]
