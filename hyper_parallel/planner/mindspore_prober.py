@@ -88,6 +88,7 @@ from hyper_parallel.core.backend import active_backend
 from hyper_parallel.core.host_pool import on_host_buffer
 from hyper_parallel.core.swap_manager import SwapManager
 from hyper_parallel.core.wrapping import checkpoint_wrapper, swap_wrapper
+from hyper_parallel.tools.gc_pause import no_gc
 
 from .options import LayerOption, OpKey, option_policy
 from .profile import Effect, LayerRecord, LayerType, OpRecord, RELATIONS, Segment, StepProfile
@@ -129,18 +130,6 @@ def _synchronize() -> None:
         ms.runtime.synchronize()
     else:
         _shim.sync_pynative()
-
-
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    """The cyclic garbage collector paused (for timed runs, as ``timeit`` does)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _tensors(values: Any) -> Iterator[Tensor]:
@@ -934,7 +923,7 @@ class MindSporeProber:
         timer = _Timer(now)
         handles = _layer_marks(layers, timer, timed_pre, timed_post)
         try:
-            with _TraceMode(shield=_Shield()), _no_gc():
+            with _TraceMode(shield=_Shield()), no_gc():
                 _synchronize()
                 t0 = now()
                 step_fn()
@@ -1112,7 +1101,7 @@ class MindSporeProber:
                 source.run(copies, inputs)
                 for _ in range(_PROBE_REPEATS):
                     _synchronize()
-                    with _no_gc():
+                    with no_gc():
                         t0 = now()
                         source.run(copies, inputs)
                         _synchronize()
@@ -1134,7 +1123,7 @@ class MindSporeProber:
         with _kept(source), _no_grad():
             for _ in range(_PROBE_REPEATS):
                 timer.start_run()
-                with _no_gc(), timer:
+                with no_gc(), timer:
                     source.forward(layer)
         return timer.best()
 
