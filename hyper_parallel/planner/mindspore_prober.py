@@ -512,22 +512,16 @@ def _side_effect_args(args: Tuple[Any, ...]) -> List[Tensor]:
 
 
 # ----------------------------------------------------------------------------------- dispatch mode
-class _TraceMode(MsDispatchMode):
-    """One dispatch mode for everything the prober watches: the CPU meter (every op's inputs and
-    outputs), the step's state (tensors that existed before it and that it writes), the random
-    primitives' shield, and the op recorder of the profile. PyNative's front-end pipeline is off
-    while it is active (else MindSpore 2.10's modes miss ops)."""
+class _PipelineOffMode(MsDispatchMode):
+    """A dispatch mode of this module: PyNative's front-end pipeline is off while it is active
+    (else MindSpore 2.10's modes miss ops; see ``_shim.disable_pipeline``), and put back as it was
+    when it exits (entries nest)."""
 
-    def __init__(self, live: Optional[LiveTensorMeter] = None, state: Optional[_StepState] = None,
-                 shield: Optional[_Shield] = None, recorder: Optional["_Recorder"] = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.live = live
-        self.state = state
-        self.shield = shield
-        self.recorder = recorder
         self._was_off: List[bool] = []
 
-    def __enter__(self) -> "_TraceMode":
+    def __enter__(self) -> "_PipelineOffMode":
         self._was_off.append(_shim.disable_pipeline())
         try:
             super().__enter__()
@@ -541,6 +535,20 @@ class _TraceMode(MsDispatchMode):
             return super().__exit__(*exc)
         finally:
             _shim.restore_pipeline(self._was_off.pop())
+
+
+class _TraceMode(_PipelineOffMode):
+    """One dispatch mode for everything the prober watches: the CPU meter (every op's inputs and
+    outputs), the step's state (tensors that existed before it and that it writes), the random
+    primitives' shield, and the op recorder of the profile."""
+
+    def __init__(self, live: Optional[LiveTensorMeter] = None, state: Optional[_StepState] = None,
+                 shield: Optional[_Shield] = None, recorder: Optional["_Recorder"] = None) -> None:
+        super().__init__()
+        self.live = live
+        self.state = state
+        self.shield = shield
+        self.recorder = recorder
 
     def __ms_dispatch__(self, func: Any, args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
@@ -1134,7 +1142,7 @@ def _no_grad() -> Iterator[None]:
         yield
 
 
-class _OpTimer(MsDispatchMode):
+class _OpTimer(_PipelineOffMode):
     """Times every op call of a forward; keeps the fastest of the runs, per call. Random legacy
     primitives run shielded (see :class:`_Shield`)."""
 
@@ -1144,21 +1152,9 @@ class _OpTimer(MsDispatchMode):
         self.now = _clock()
         self.runs: List[List[Tuple[OpKey, float]]] = []
         self._shield = _Shield()
-        self._was_off: List[bool] = []
 
     def start_run(self) -> None:
         self.runs.append([])
-
-    def __enter__(self) -> "_OpTimer":
-        self._was_off.append(_shim.disable_pipeline())
-        super().__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> Any:
-        try:
-            return super().__exit__(*exc)
-        finally:
-            _shim.restore_pipeline(self._was_off.pop())
 
     def __ms_dispatch__(self, func: Any, args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]] = None) -> Any:
         if is_legacy_primitive_call(args) and is_random_op(args[1]):
