@@ -22,7 +22,7 @@ import copy
 import gc
 import sys
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,6 +35,7 @@ from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, mark_host
 
 from .options import OpKey
 from .probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
+from .step_state import StepState
 
 __all__ = ["TorchProber", "EXPENSIVE_OPS"]
 
@@ -54,13 +55,13 @@ _storage_key = _BACKEND.storage_id  # the engine's storage identity
 _in_backward = _BACKEND.in_backward
 
 
-class _StepState:
-    """What a step changes, put back afterwards (see the module docstring)."""
+class _StepState(StepState):
+    """What a step changes, put back afterwards (see the module docstring): beside the tensors it
+    writes and the generators, the ``.grad`` of every leaf it reaches (``leaves``)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.leaves: Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}  # id -> (leaf, its .grad)
-        self.written: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # storage -> (tensor, host copy)
-        self._rng: Any = None
 
     def see_leaf(self, t: torch.Tensor) -> None:
         if id(t) not in self.leaves:
@@ -69,39 +70,40 @@ class _StepState:
             if grad is not None:
                 self.keep(grad)
 
-    def keep(self, t: torch.Tensor) -> None:
-        """Copy ``t`` to the host before the step writes it (once per storage)."""
-        key = _storage_key(t)
-        if key not in self.written:
-            host = t.detach().to("cpu", copy=True)
-            mark_host(host)  # (never counted as device memory by a CPU meter)
-            self.written[key] = (t, host)
-
-    def save_rng(self) -> None:
-        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        dm = torch.get_device_module(acc.type) if acc is not None else None
-        self._rng = (torch.get_rng_state(), dm.get_rng_state_all() if dm is not None else None, dm)
-
     def again(self) -> "_StepState":
-        """A state that snapshots the same tensors now, for another call of the step."""
-        other = _StepState()
+        other = cast(_StepState, super().again())
         for leaf, _ in self.leaves.values():
             other.see_leaf(leaf)
-        for t, _ in self.written.values():
-            other.keep(t)
         return other
 
     def restore(self) -> None:
-        with torch.no_grad():
-            for t, host in self.written.values():
-                t.copy_(host)
+        super().restore()
         for leaf, grad in self.leaves.values():
             leaf.grad = grad
-        if self._rng is not None:
-            cpu, acc, dm = self._rng
-            torch.set_rng_state(cpu)
-            if acc is not None:
-                dm.set_rng_state_all(acc)
+
+    def _storage_of(self, t: torch.Tensor) -> int:
+        return _storage_key(t)
+
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        host = t.detach().to("cpu", copy=True)
+        mark_host(host)  # (never counted as device memory by a CPU meter)
+        return host
+
+    def _write_back(self, written: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for t, host in written:
+                t.copy_(host)
+
+    def _rng_state(self) -> Any:
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        dm = torch.get_device_module(acc.type) if acc is not None else None
+        return torch.get_rng_state(), dm.get_rng_state_all() if dm is not None else None, dm
+
+    def _set_rng_state(self, state: Any) -> None:
+        cpu, acc, dm = state
+        torch.set_rng_state(cpu)
+        if acc is not None:
+            dm.set_rng_state_all(acc)
 
 
 class _Recorder(TorchDispatchMode):
