@@ -88,7 +88,6 @@ from hyper_parallel.core.host_pool import on_host_buffer
 
 from .options import OpKey
 from .probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
-from .profile import StepProfile
 from .step_state import StepState
 
 __all__ = ["MindSporeProber", "LiveTensorMeter", "AllocatorMeter", "EXPENSIVE_OPS", "memory_meter"]
@@ -751,10 +750,6 @@ class MindSporeProber(ChainProber):
         """Nothing: MindSpore returns gradients and keeps none on the parameters."""
 
     # ------------------------------------------------------------------ the step
-    def profile_step(self, layers: Sequence[nn.Cell], step_fn: Callable[[], Any]) -> StepProfile:
-        _backend().check_ready("plan_memory")
-        return super().profile_step(layers, step_fn)
-
     def step_peak(self, layers: Sequence[nn.Cell], step_fn: Callable[[], Any]) -> int:
         """The peak device memory of one ``step_fn()`` as the planner counts it (the budget's
         quantity; ``layers`` mark the segments): MindSpore's allocator on Ascend / GPU (measured),
@@ -763,6 +758,7 @@ class MindSporeProber(ChainProber):
         return self._instrumented(layers, step_fn, self.device()).peak_bytes
 
     def _instrumented(self, layers: Sequence[nn.Cell], step_fn: Callable[[], Any], device: Any) -> StepTrace:
+        _backend().check_ready("plan_memory")  # (PyNative only: profiling and step_peak run the step here first)
         cpu = _accelerator() is None
         state = _StepState()
         state.save_rng()
