@@ -43,7 +43,7 @@ from hyper_parallel.tools.gc_pause import no_gc
 
 from .options import LayerOption, OpKey, option_policy
 from .profile import Effect, LayerRecord, LayerType, OpRecord, RELATIONS, Segment, StepProfile
-from .segments import BackwardTimer, Meter, Segments, check_layer_events, layer_marks
+from .segments import BackwardTimer, Meter, PostHook, PreHook, Segments, check_layer_events, layer_marks
 
 __all__ = ["ChainProber", "ProbeSource", "LayerLog", "StepTrace", "OpTimes", "hidden", "tensors_in",
            "fastest_seconds", "SLACK_BYTES", "PROBE_REPEATS"]
@@ -346,13 +346,12 @@ class ChainProber(abc.ABC):
         return policy
 
     # ------------------------------------------------------------------ segments
-    def _layer_marks(self, layers: Sequence[Any], target: Any, on_pre: Optional[Callable[..., None]] = None,
-                     on_post: Optional[Callable[..., None]] = None) -> List[Any]:
+    def _layer_marks(self, layers: Sequence[Any], target: Any, on_pre: Optional[PreHook] = None,
+                     on_post: Optional[PostHook] = None) -> List[Any]:
         return layer_marks(layers, target, self._in_backward, self._grad_outputs, on_pre, on_post)
 
     def _segmented(self, layers: Sequence[Any], meter: Meter, run: Callable[[], Any],
-                   on_pre: Optional[Callable[..., None]] = None,
-                   on_post: Optional[Callable[..., None]] = None) -> List[Segment]:
+                   on_pre: Optional[PreHook] = None, on_post: Optional[PostHook] = None) -> List[Segment]:
         """``run()`` cut into segments of ``meter``'s timeline at ``layers``' boundaries."""
         segments = Segments(meter)
         handles = self._layer_marks(layers, segments, on_pre, on_post)

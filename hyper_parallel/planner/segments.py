@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequ
 
 from .profile import Segment
 
-__all__ = ["Meter", "Segments", "BackwardTimer", "layer_marks", "check_layer_events"]
+__all__ = ["Meter", "PreHook", "PostHook", "Segments", "BackwardTimer", "layer_marks", "check_layer_events"]
 
 #: ``on_pre(layer index, args, kwargs)``: called at a layer's forward start, after its mark.
 PreHook = Callable[[int, tuple, dict], None]
