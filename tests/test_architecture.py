@@ -56,6 +56,54 @@ def test_no_function_local_imports_in_engine_or_backends():
                         assert not local, f"{f}:{fn.name} imports inside a function"
 
 
+PLANNER = os.path.join(PACKAGE, "planner")
+#: The planner's framework parts: every other planner module (the probing algorithm among them,
+#: ``planner/probing.py``) and the tools it uses import no framework.
+PROBERS = ("torch_prober", "mindspore_prober")
+NEUTRAL_PLANNER = sorted(f[:-3] for f in os.listdir(PLANNER)
+                         if f.endswith(".py") and f != "__init__.py" and f[:-3] not in PROBERS)
+
+
+def test_the_planner_but_its_probers_imports_no_framework():
+    modules = [f"hyper_parallel.planner.{m}" for m in NEUTRAL_PLANNER] + ["hyper_parallel.tools.gc_pause"]
+    code = (f"import sys, importlib\nfor m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(n for n in ('torch', 'mindspore') if n in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    paths = [os.path.join(PLANNER, m + ".py") for m in NEUTRAL_PLANNER] + [os.path.join(PACKAGE, "tools", "gc_pause.py")]
+    for path in paths:
+        source = open(path).read()
+        assert "importlib" not in source and "__import__" not in source and "def __getattr__" not in source, path
+        for node, targets in _imports(path):
+            for target in targets:
+                assert target.split(".")[0] not in ("torch", "mindspore"), f"{path} imports {target}"
+                assert not target.startswith("hyper_parallel.backends"), f"{path} imports {target}"
+
+
+def test_each_prober_is_the_chain_prober_on_its_primitives():
+    """The probers share the algorithm (``ChainProber``): each implements every primitive, and
+    neither defines a method of the algorithm again (one path per behaviour)."""
+    from hyper_parallel.planner.probing import ChainProber
+    from hyper_parallel.planner.torch_prober import TorchProber
+
+    assert not TorchProber.__abstractmethods__
+    shared = {name for name, value in vars(ChainProber).items()
+              if callable(value) and not getattr(value, "__isabstractmethod__", False)}
+    for path in (os.path.join(PLANNER, m + ".py") for m in PROBERS):
+        tree = ast.parse(open(path).read())
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and any(ast.unparse(b) == "ChainProber" for b in n.bases)):
+            again = sorted({f.name for f in cls.body if isinstance(f, ast.FunctionDef)} & shared)
+            assert not again, f"{os.path.basename(path)}:{cls.name} defines {again} again"
+
+
+def test_architecture_doc_lists_every_prober_primitive():
+    from hyper_parallel.planner.probing import ChainProber
+
+    doc = open(os.path.join(os.path.dirname(PACKAGE), "docs", "architecture.md")).read()
+    missing = sorted(name for name in ChainProber.__abstractmethods__ if f"`{name}`" not in doc)
+    assert not missing, f"docs/architecture.md does not list the prober primitives {missing}"
+
+
 def test_public_api_binds_the_torch_backend():
     from hyper_parallel.backends.torch.backend import TorchBackend
     from hyper_parallel.core import activation_checkpoint as api

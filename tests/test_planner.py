@@ -4,6 +4,7 @@ model, measured with the live-storage meter (not the library's counters) and tra
 from __future__ import annotations
 
 import copy
+import doctest
 import itertools
 import json
 import random
@@ -16,9 +17,10 @@ from hyper_parallel.core.activation_checkpoint import (CheckpointPolicy, MemoryP
                                                        plan_memory)
 from hyper_parallel.planner import OpKey, OpTablePolicy, Planner, active_prober, format_bytes, parse_budget
 from hyper_parallel.planner import candidates as cand
-from hyper_parallel.planner import solver
+from hyper_parallel.planner import segments, solver
 from hyper_parallel.planner.cost import predict, segment_bytes
 from hyper_parallel.planner.profile import RELATIONS, Effect, LayerRecord, LayerType, OpRecord, Segment, StepProfile
+from hyper_parallel.tools import gc_pause
 from hyper_parallel.tools.memory import MemoryMeter
 
 MiB = 1 << 20
@@ -390,3 +392,9 @@ def test_tensors_kept_by_torch_compile_caches_are_not_memory():
     assert all(type(s.peak) is int for s in after.segments)
     assert [s.peak for s in after.segments] == [s.peak for s in before.segments]
     assert Planner(list(model.layers), after, prober).min_budget()[0] > 0
+
+
+def test_the_framework_neutral_modules_examples_run():
+    for module in (segments, gc_pause):
+        result = doctest.testmod(module, verbose=False)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

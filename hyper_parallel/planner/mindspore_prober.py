@@ -1,18 +1,18 @@
 """The planner's MindSpore part (PyNative): profile a training step, probe a layer's options in isolation.
 
-It follows :mod:`hyper_parallel.planner.torch_prober` step by step, with MindSpore's machinery:
-``mindspore.utils.MsDispatchMode`` for the op trace (MindSpore hands a new op object per call, so
-ops are keyed by ``op.name``; PyNative's front-end pipeline is off while a mode of this module is
-active, or the mode would miss ops), ``mindspore.saved_tensors_hooks`` for what autograd saves,
-``Cell`` forward (pre-)hooks for the segments and a gradient hook on each layer's output for the
-start of its backward, ``copy.deepcopy`` of a ``Cell`` for the probes (it copies parameters and
-gives every primitive a fresh kernel, so a copy's dropout starts its own random stream), and
-``mindspore.vjp`` to run a probe's backward.
+The algorithm is :class:`~hyper_parallel.planner.probing.ChainProber`'s, written once for every
+framework; this module gives it MindSpore's primitives: ``mindspore.utils.MsDispatchMode`` for
+the op trace (MindSpore hands a new op object per call, so ops are keyed by ``op.name``;
+PyNative's front-end pipeline is off while a mode of this module is active, or the mode would
+miss ops), ``mindspore.saved_tensors_hooks`` for what autograd saves, ``Cell`` forward (pre-)hooks
+for the segments and a gradient hook on each layer's output for the start of its backward
+(:mod:`hyper_parallel.planner.segments`), ``copy.deepcopy`` of a ``Cell`` for the probes (it
+copies parameters and gives every primitive a fresh kernel, so a copy's dropout starts its own
+random stream), and ``mindspore.vjp`` to run a probe's backward.
 
-Profiling (:meth:`MindSporeProber.profile_step`) calls the user's ``step_fn`` twice: once
-instrumented (segments, ops, saved storages, memory), once timed (each layer's forward and
-backward, one input of each kind of layer kept for the probes). Around both calls what the step
-changes is put back:
+Profiling (``profile_step``) calls the user's ``step_fn`` twice: once instrumented (segments, ops,
+saved storages, memory), once timed (each layer's forward and backward, one input of each kind of
+layer kept for the probes). Around both calls what the step changes is put back:
 
 - tensors that existed before the step and that it wrote in place: the first argument of ops
   that write one (``Inplace*``, ``Assign*``, ``Scatter*``) and every tensor argument of a legacy
@@ -55,14 +55,13 @@ Memory, what is measured and what is estimated:
   autograd saves them), the engine's hidden tensors between two boundaries, and allocator rounding
   and caching. The profile says so in its notes.
 
-Probing (:meth:`MindSporeProber.probe`) runs deep copies of one layer alone, chained through the
-layer chain as the model's layers are, on the input it received in the step: once with every
-copy left as it is and once with one copy wrapped by the option, forward and ``vjp`` backward,
-and reads the difference at each segment, as the torch prober does (four copies with the option
-on the second, two with it on the last; time: three copies all wrapped against three left alone,
-the faster of several runs). Times are CPU time of the process on a CPU (MindSpore's work runs on
-a few threads; a shared machine's wall clock would time the neighbours), wall time on an
-accelerator; every timed run has the pipeline off and the random primitives shielded, as above.
+Probing (``probe``) runs deep copies of one layer alone, chained through the layer chain as the
+model's layers are, on the input it received in the step (kept as numpy copies), forward and
+``vjp`` backward, and reads the difference at each segment (see
+:mod:`hyper_parallel.planner.probing`). Times are CPU time of the process on a CPU (MindSpore's
+work runs on a few threads; a shared machine's wall clock would time the neighbours), wall time
+on an accelerator; every timed run has the pipeline off and the random primitives shielded, as
+above.
 """
 
 from __future__ import annotations
@@ -72,7 +71,7 @@ import copy
 import gc
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -86,11 +85,10 @@ from hyper_parallel.backends.mindspore.backend import (MindSporeBackend, is_lega
                                                        op_name)
 from hyper_parallel.core.backend import active_backend
 from hyper_parallel.core.host_pool import on_host_buffer
-from hyper_parallel.core.swap_manager import SwapManager
-from hyper_parallel.core.wrapping import checkpoint_wrapper, swap_wrapper
 
-from .options import LayerOption, OpKey, option_policy
-from .profile import Effect, LayerRecord, LayerType, OpRecord, RELATIONS, Segment, StepProfile
+from .options import OpKey
+from .probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
+from .step_state import StepState
 
 __all__ = ["MindSporeProber", "LiveTensorMeter", "AllocatorMeter", "EXPENSIVE_OPS", "memory_meter"]
 
@@ -98,7 +96,6 @@ __all__ = ["MindSporeProber", "LiveTensorMeter", "AllocatorMeter", "EXPENSIVE_OP
 EXPENSIVE_OPS = frozenset({"MatMul", "MatMulExt", "BatchMatMul", "BatchMatMulExt", "Dense", "Baddbmm",
                            "FlashAttentionScore", "Conv2D", "Conv2DExt", "Convolution"})
 _ACCELERATORS = ("Ascend", "GPU")
-_PROBE_REPEATS = 3
 
 
 def _backend() -> MindSporeBackend:
@@ -131,26 +128,10 @@ def _synchronize() -> None:
         _shim.sync_pynative()
 
 
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    """The cyclic garbage collector paused (for timed runs, as ``timeit`` does)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def _tensors(values: Any) -> Iterator[Tensor]:
     """The tensors among ``values`` and one level of tuples / lists in them (a legacy primitive
     call's arguments are ``(primitive, name, inputs)``)."""
-    for v in values:
-        if isinstance(v, Tensor):
-            yield v
-        elif isinstance(v, (tuple, list)):
-            yield from (t for t in v if isinstance(t, Tensor))
+    return tensors_in(values, Tensor)
 
 
 def _outputs(out: Any) -> List[Tensor]:
@@ -186,16 +167,6 @@ def _storage(t: Tensor) -> Optional[Tuple[int, int]]:
         return None
     nbytes = _size(t)
     return (ptr, nbytes) if nbytes > 0 else None
-
-
-def _hidden(out: Any) -> Tensor:
-    """The activation a layer passes to the next: its output, or the first element of it."""
-    if isinstance(out, Tensor):
-        return out
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
-        return out[0]
-    raise TypeError(f"plan_memory: a layer returned {type(out).__name__}; the planner needs a layer stack whose "
-                    "layers return the next layer's input (a tensor, or a tuple whose first item is one).")
 
 
 # ----------------------------------------------------------------------------------- host buffers
@@ -480,39 +451,30 @@ class _Shield:
         return (pair[1],) + tuple(args[1:])
 
 
-class _StepState:
-    """What a step changes, put back afterwards (see the module docstring)."""
+class _StepState(StepState):
+    """What a step changes, put back afterwards (see the module docstring): storages by the address
+    of their first byte, host copies as numpy arrays, the default generator."""
 
-    def __init__(self) -> None:
-        self.written: Dict[int, Tuple[Tensor, np.ndarray]] = {}  # storage address -> (tensor, host copy)
-        self._rng: Any = None
+    def _storage_of(self, t: Tensor) -> Optional[int]:
+        return _address(t)
 
-    def keep(self, t: Tensor) -> None:
-        """Copy ``t`` to the host before the step writes it (once per storage)."""
-        ptr = _address(t)
-        if ptr is not None and ptr not in self.written:
-            with _shim.internal():
-                self.written[ptr] = (t, t.asnumpy().copy())
-
-    def save_rng(self) -> None:
-        try:
-            self._rng = ms.get_rng_state()
-        except Exception:  # pragma: no cover - a MindSpore without a default generator
-            self._rng = None
-
-    def again(self) -> "_StepState":
-        """A state that snapshots the same tensors now, for another call of the step."""
-        other = _StepState()
-        for t, _ in self.written.values():
-            other.keep(t)
-        return other
-
-    def restore(self) -> None:
+    def _host_copy(self, t: Tensor) -> np.ndarray:
         with _shim.internal():
-            for t, host in self.written.values():
+            return t.asnumpy().copy()
+
+    def _write_back(self, written: Iterable[Tuple[Tensor, np.ndarray]]) -> None:
+        with _shim.internal():
+            for t, host in written:
                 t.copy_(Tensor(host, dtype=t.dtype))
-        if self._rng is not None:
-            ms.set_rng_state(self._rng)
+
+    def _rng_state(self) -> Any:
+        try:
+            return ms.get_rng_state()
+        except Exception:  # pragma: no cover - a MindSpore without a default generator
+            return None
+
+    def _set_rng_state(self, state: Any) -> None:
+        ms.set_rng_state(state)
 
 
 def _side_effect_args(args: Tuple[Any, ...]) -> List[Tensor]:
@@ -523,22 +485,16 @@ def _side_effect_args(args: Tuple[Any, ...]) -> List[Tensor]:
 
 
 # ----------------------------------------------------------------------------------- dispatch mode
-class _TraceMode(MsDispatchMode):
-    """One dispatch mode for everything the prober watches: the CPU meter (every op's inputs and
-    outputs), the step's state (tensors that existed before it and that it writes), the random
-    primitives' shield, and the op recorder of the profile. PyNative's front-end pipeline is off
-    while it is active (else MindSpore 2.10's modes miss ops)."""
+class _PipelineOffMode(MsDispatchMode):
+    """A dispatch mode of this module: PyNative's front-end pipeline is off while it is active
+    (else MindSpore 2.10's modes miss ops; see ``_shim.disable_pipeline``), and put back as it was
+    when it exits (entries nest)."""
 
-    def __init__(self, live: Optional[LiveTensorMeter] = None, state: Optional[_StepState] = None,
-                 shield: Optional[_Shield] = None, recorder: Optional["_Recorder"] = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.live = live
-        self.state = state
-        self.shield = shield
-        self.recorder = recorder
         self._was_off: List[bool] = []
 
-    def __enter__(self) -> "_TraceMode":
+    def __enter__(self) -> "_PipelineOffMode":
         self._was_off.append(_shim.disable_pipeline())
         try:
             super().__enter__()
@@ -552,6 +508,20 @@ class _TraceMode(MsDispatchMode):
             return super().__exit__(*exc)
         finally:
             _shim.restore_pipeline(self._was_off.pop())
+
+
+class _TraceMode(_PipelineOffMode):
+    """One dispatch mode for everything the prober watches: the CPU meter (every op's inputs and
+    outputs), the step's state (tensors that existed before it and that it writes), the random
+    primitives' shield, and the op recorder of the profile."""
+
+    def __init__(self, live: Optional[LiveTensorMeter] = None, state: Optional[_StepState] = None,
+                 shield: Optional[_Shield] = None, recorder: Optional["_Recorder"] = None) -> None:
+        super().__init__()
+        self.live = live
+        self.state = state
+        self.shield = shield
+        self.recorder = recorder
 
     def __ms_dispatch__(self, func: Any, args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
@@ -622,25 +592,22 @@ class _SavedHooks:
 
 
 class _Recorder:
-    """Call 1's op records: the op calls of the layer whose forward runs (per layer), which of
-    the storages they made autograd saved, the storages saved per layer, and the trainable
-    parameters the step reached (whose gradient hooks feed the meter)."""
+    """Call 1's watcher beside the op records (``log``): the trainable parameters the step reached
+    (whose gradient hooks feed the meter). The trace mode calls :meth:`op`, the saved-tensor hooks
+    :meth:`saved`."""
 
-    def __init__(self, key_of: Callable[[Any, tuple], OpKey], live: LiveTensorMeter, count_grads: bool) -> None:
+    def __init__(self, key_of: Callable[[Any, tuple], OpKey], live: LiveTensorMeter, count_grads: bool,
+                 log: LayerLog) -> None:
         self.key_of = key_of
         self.live = live
         self.count_grads = count_grads  # (on a CPU: the meter counts gradients through hooks)
-        self.layer: Optional[int] = None
-        self.ops: Dict[int, List[OpRecord]] = {}
-        self.saved_by: Dict[int, Dict[int, int]] = {}  # layer -> storage -> bytes
-        self.made_by: Dict[int, Tuple[int, OpRecord]] = {}
+        self.log = log
         self.params: Dict[int, Any] = {}  # address -> trainable parameter reached in forward
         self.hooks: List[Any] = []
-        live.on_death(lambda ptr: self.made_by.pop(ptr, None))  # (an address is reused once it died)
+        live.on_death(log.forget)  # (an address is reused once it died)
 
     def op(self, func: Any, args: Tuple[Any, ...], inputs: List[Tensor], made: Dict[int, int], mutating: bool) -> None:
-        backend = _backend()
-        forward = not backend.in_backward()
+        forward = not _backend().in_backward()
         if forward:  # (a trainable parameter the step reaches: its gradient feeds the meter)
             for t in inputs:
                 ptr = _address(t)
@@ -649,27 +616,16 @@ class _Recorder:
                     self.params[ptr] = param
                     if self.count_grads:
                         self.hooks.append(param.register_hook(self._grad_hook))
-        if self.layer is None or not forward:
-            return
-        name = op_name(func)
-        record = OpRecord(self.key_of(func, args), sum(made.values()), False, mutating, name in EXPENSIVE_OPS)
-        self.ops.setdefault(self.layer, []).append(record)
-        for ptr in made:
-            self.made_by[ptr] = (self.layer, record)
+        if self.log.layer is not None and forward:
+            self.log.op(self.key_of(func, args), sum(made.values()), mutating, op_name(func) in EXPENSIVE_OPS, made)
 
     def _grad_hook(self, grad: Any) -> None:
         self.live.hold(grad)
 
     def saved(self, t: Tensor) -> None:
-        if self.layer is None:
-            return
-        ptr = _address(t)
-        if ptr is None:
-            return
-        made = self.made_by.get(ptr)
-        if made is not None and made[0] == self.layer:  # (saved by the layer that made it)
-            made[1].saved = True
-        self.saved_by.setdefault(self.layer, {})[ptr] = self.live.bytes_of(t)
+        ptr = _address(t) if self.log.layer is not None else None
+        if ptr is not None:
+            self.log.save(ptr, self.live.bytes_of(t))
 
     def remove_hooks(self) -> None:
         for h in self.hooks:
@@ -677,101 +633,15 @@ class _Recorder:
         self.hooks.clear()
 
 
-# ----------------------------------------------------------------------------------- segments
-class _Segments:
-    """Cuts a region measured by ``meter`` into :class:`Segment` s, at marks."""
-
-    def __init__(self, meter: Any) -> None:
-        self.meter = meter
-        self.segments: List[Segment] = []
-
-    def mark(self, kind: str, layer: int) -> None:
-        peak = self.meter.reset_peak()
-        if self.segments:
-            self.segments[-1].peak = max(self.segments[-1].start, peak)
-        start = self.meter.current_bytes
-        self.segments.append(Segment(kind, layer, start, start))
-
-    def close(self) -> None:
-        self.mark("end", -1)
-        self.segments.pop()
-
-
-def _layer_marks(layers: Sequence[nn.Cell], segments: Any,
-                 on_pre: Optional[Callable[[int, tuple, dict], None]] = None,
-                 on_post: Optional[Callable[[int, Any], None]] = None) -> List[Any]:
-    """Hooks marking each layer's forward, the stretch after it, and its backward (when the
-    gradient of its output is ready). Returns the removable handles."""
-    backend = _backend()
-    handles = []
-    for j, layer in enumerate(layers):
-        def pre(cell: Any, args: tuple, kwargs: dict, j: int = j) -> None:
-            if backend.in_backward():  # (a recomputation: not a new forward)
-                return
-            segments.mark("fwd", j)
-            if on_pre is not None:
-                on_pre(j, args, kwargs)
-
-        def post(cell: Any, args: tuple, kwargs: dict, out: Any, j: int = j) -> None:
-            if backend.in_backward():
-                return
-            if on_post is not None:
-                on_post(j, out)
-            segments.mark("gap", j)
-            fired = [False]
-
-            def on_grad(grad: Any) -> None:
-                if not fired[0]:
-                    fired[0] = True
-                    segments.mark("bwd", j)
-
-            for t in _outputs(out):
-                if backend.requires_grad(t):
-                    t.register_hook(on_grad)
-
-        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(layer.register_forward_hook(post, with_kwargs=True))
-    return handles
-
-
-class _Call:
-    """What one instrumented call of the step found (``MindSporeProber._instrumented``)."""
-
-    def __init__(self) -> None:
-        self.segments: List[Segment] = []
-        self.inputs: Dict[int, int] = {}
-        self.flows: List[bool] = []
-        self.outputs: Dict[int, int] = {}
-        self.reached: Dict[int, int] = {}
-        self.baseline = 0
-        self.peak = 0
-        self.state: Any = None
-        self.meter: Any = None
-        self.recorder: Any = None
-
-
-class _Timer:
-    """``_layer_marks``'s target in the timing call: the time of each layer's backward (from its
-    mark to the next), nothing else."""
-
-    def __init__(self, now: Callable[[], float]) -> None:
-        self.marks: List[Tuple[int, float]] = []
-        self._now = now
-
-    def mark(self, kind: str, layer: int) -> None:
-        if kind == "bwd":
-            _synchronize()
-            self.marks.append((layer, self._now()))
-
-    def backward_times(self) -> Dict[int, float]:
-        return {j: t_next - t for (j, t), (_, t_next) in zip(self.marks, self.marks[1:])}
-
-
 # ----------------------------------------------------------------------------------- the prober
-class MindSporeProber:
-    """Profiling and probing on MindSpore (see the module docstring); the planner's framework part."""
+class MindSporeProber(ChainProber):
+    """Profiling and probing on MindSpore; the planner's framework part. The algorithm is
+    :class:`~hyper_parallel.planner.probing.ChainProber`'s; this class gives it MindSpore's
+    primitives (see the module docstring)."""
 
     name = "mindspore"
+    tensor_type = Tensor
+    step_hint = " (mindspore.value_and_grad / grad / vjp with its backward)"
 
     # ------------------------------------------------------------------ names and sizes
     @staticmethod
@@ -788,6 +658,14 @@ class MindSporeProber:
         except Exception:
             return 0
 
+    def _storage_bytes(self, t: Tensor) -> int:
+        found = _storage(t)  # (not untyped_storage(): milliseconds on a tensor object's first call)
+        return found[1] if found is not None else 0
+
+    def _named_parameters(self, layer: nn.Cell) -> Iterable[Tuple[str, Any]]:
+        return layer.parameters_and_names()
+
+    # ------------------------------------------------------------------ the model
     @staticmethod
     def is_layer(x: Any) -> bool:
         return isinstance(x, nn.Cell)
@@ -818,15 +696,7 @@ class MindSporeProber:
     def after_wrap(model: Any, layers: Sequence[nn.Cell], recomputes: bool) -> None:
         """Nothing: no MindSpore model needs more once its layers are wrapped."""
 
-    def wrap(self, layer: nn.Cell, option: LayerOption, seen: Sequence[OpKey]) -> Any:
-        """Wrap ``layer`` in place for ``option`` through the public API; the generated policy."""
-        policy = option_policy(option, seen, self.key_of, self.nbytes)
-        if option.kind == "swap":
-            swap_wrapper(layer, policy_fn=policy)
-        elif option.kind == "checkpoint":
-            checkpoint_wrapper(layer, policy_fn=policy, swap_inputs=option.swap_inputs)
-        return policy
-
+    # ------------------------------------------------------------------ devices and time
     @staticmethod
     def device() -> str:
         target = ms.get_context("device_target")
@@ -834,171 +704,22 @@ class MindSporeProber:
             return f"{target}:{ms.get_context('device_id')}"
         return target
 
-    # ------------------------------------------------------------------ profiling the step
-    def _instrumented(self, layers: Sequence[nn.Cell], step_fn: Callable[[], Any]) -> "_Call":
-        """One instrumented call of ``step_fn`` (call 1 of profiling): segments, op records, saved
-        storages, memory. What it changes is put back."""
-        call = _Call()
-        cpu = _accelerator() is None
-        call.state = state = _StepState()
-        state.save_rng()
-        meter = call.meter = memory_meter()
-        live = meter if cpu else LiveTensorMeter()  # (on an accelerator: the recorder's storage lives)
-        recorder = call.recorder = _Recorder(self.key_of, live, count_grads=cpu)
+    def _device_of(self, layers: Sequence[nn.Cell]) -> str:
+        return self.device()  # (PyNative runs every cell on the context's device)
 
-        def on_pre(j: int, args: tuple, kwargs: dict) -> None:
-            recorder.layer = j
-            x = args[0] if args and isinstance(args[0], Tensor) else None
-            found = _storage(x) if x is not None else None
-            call.inputs[j] = found[1] if found is not None else 0
-            call.flows.append(x is not None and call.outputs.get(j - 1) == id(x))
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        """Wait for every launched kernel (``_synchronize``; MindSpore has one device per process)."""
+        _synchronize()
 
-        def on_post(j: int, out: Any) -> None:
-            recorder.layer = None
-            call.outputs[j] = id(_hidden(out))
+    def _clock(self, device: Any) -> Callable[[], float]:
+        return _clock()
 
-        mode = _TraceMode(live=live, state=state, shield=_Shield(), recorder=recorder)
-        try:
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(meter)
-                if live is not meter:
-                    stack.enter_context(live)
-                segments = _Segments(meter)
-                handles = _layer_marks(layers, segments, on_pre, on_post)
-                try:
-                    segments.mark("pre", -1)
-                    with mode, _SavedHooks(live, recorder):
-                        step_fn()
-                    segments.close()
-                finally:
-                    for h in handles:
-                        h.remove()
-                    recorder.remove_hooks()
-                call.reached = dict(live.reached)
-        finally:
-            state.restore()
-        call.segments = segments.segments
-        if cpu:
-            # The step's memory on a CPU: what it allocates (counted) plus the storages it reached that
-            # existed before it (parameters, inputs; as the budget counts them), whatever else the process holds.
-            before = sum(call.reached.values())
-            for segment in call.segments:
-                segment.start += before
-                segment.peak += before
-            call.baseline, call.peak = before, meter.peak_bytes + before
-        else:
-            call.baseline, call.peak = meter.baseline_bytes, meter.peak_bytes
-        return call
+    def _timing_mode(self) -> "_TraceMode":
+        return _TraceMode(shield=_Shield())  # (the pipeline off, as in the measured runs; random kernels shielded)
 
-    def step_peak(self, layers: Sequence[nn.Cell], step_fn: Callable[[], Any]) -> int:
-        """The peak device memory of one ``step_fn()`` as the planner counts it (the budget's
-        quantity; ``layers`` mark the segments): MindSpore's allocator on Ascend / GPU (measured),
-        the live-tensor count on a CPU (estimated, see the module docstring). Puts back what the
-        step changes, as profiling does."""
-        return self._instrumented(layers, step_fn).peak
-
-    def profile_step(self, layers: Sequence[nn.Cell], step_fn: Callable[[], Any]) -> StepProfile:
-        _backend().check_ready("plan_memory")
-        n = len(layers)
-        cpu = _accelerator() is None
-        # Call 1: the memory timeline, every layer's ops and saved storages.
-        first = self._instrumented(layers, step_fn)
-        segments, recorder, state = first.segments, first.recorder, first.state
-        inputs, flows = first.inputs, first.flows
-        kinds = [(s.kind, s.layer) for s in segments]
-        expected = [("pre", -1)] + [(k, j) for j in range(n) for k in ("fwd", "gap")] + \
-                   [("bwd", j) for j in range(n - 1, -1, -1)]
-        if kinds != expected:
-            raise RuntimeError(
-                "plan_memory: step_fn must run every layer's forward once, in order, then the backward "
-                f"through all of them (got the layer events {[f'{k} {j}' for k, j in kinds[:12]]}...). Pass the "
-                "model's layer stack in the order its forward calls it, and a step_fn doing one forward + backward "
-                "(mindspore.value_and_grad / grad / vjp with its backward).")
-        # Call 2: the plain step's time and each layer's; an input of every layer kept for probes.
-        times = [[0.0, 0.0] for _ in range(n)]
-        clock: Dict[str, float] = {}
-        captured: Dict[int, Tuple[tuple, dict]] = {}
-        now = _clock()
-
-        def timed_pre(j: int, args: tuple, kwargs: dict) -> None:
-            captured[j] = (args, kwargs)
-            _synchronize()
-            clock["f"] = now()
-
-        def timed_post(j: int, out: Any) -> None:
-            _synchronize()
-            times[j][0] = now() - clock["f"]
-
-        second = state.again()
-        second.save_rng()
-        timer = _Timer(now)
-        handles = _layer_marks(layers, timer, timed_pre, timed_post)
-        try:
-            with _TraceMode(shield=_Shield()), _no_gc():
-                _synchronize()
-                t0 = now()
-                step_fn()
-                _synchronize()
-                step_s = now() - t0
-        finally:
-            for h in handles:
-                h.remove()
-            second.restore()
-        for j, seconds in timer.backward_times().items():
-            times[j][1] = seconds
-        records = []
-        for j in range(n):
-            sizes = sorted(recorder.saved_by.get(j, {}).values(), reverse=True)
-            records.append(LayerRecord(j, "", recorder.ops.get(j, []), sizes, inputs.get(j, 0), times[j][0],
-                                       times[j][1]))
-        types = self._layer_types(layers, records, captured)
-        params: Dict[int, int] = {}
-        for layer in layers:
-            for p in layer.get_parameters():
-                found = _storage(p)
-                if found is not None:
-                    params[found[0]] = found[1]
-        grads: Dict[int, int] = {}
-        for p in recorder.params.values():
-            found = _storage(p)
-            if found is not None:
-                grads[found[0]] = found[1]
-        notes = []
-        if cpu:
-            notes.append("memory on MindSpore's CPU build is estimated: MindSpore keeps no allocator statistics on "
-                         "a CPU, so the planner counts live tensors itself (op inputs and outputs, saved tensors, "
-                         "gradients, the engine's tensors at layer boundaries); it misses what only C++ holds, "
-                         "such as the outputs of backward kernels no dispatch mode sees (legacy primitives: "
-                         "LayerNorm, BiasAdd, Dropout); see docs/mindspore.md")
-        baseline, peak = first.baseline, first.peak
-        if not all(flows[1:]):
-            notes.append("a layer's input is not the previous layer's output: the probes chain the layers anyway")
-        return StepProfile(
-            device=self.device(), segments=segments, layers=records, types=types,
-            baseline_bytes=baseline, peak_bytes=peak, step_s=step_s,
-            param_bytes=max(sum(params.values()), sum(grads.values())), grad_bytes=sum(grads.values()),
-            copy_bytes_per_s=self.copy_bandwidth(), overlaps=not cpu, notes=notes)
-
-    def _layer_types(self, layers: Sequence[nn.Cell], records: List[LayerRecord],
-                     captured: Dict[int, Tuple[tuple, dict]]) -> Dict[str, LayerType]:
-        """Group the layers whose profiles agree (class, parameter shapes, input shapes, ops,
-        saved storages) into :class:`LayerType` s; each keeps its first layer's captured input."""
-        types: Dict[str, LayerType] = {}
-        signatures: Dict[Any, str] = {}
-        for j, (layer, record) in enumerate(zip(layers, records)):
-            args, kwargs = captured[j]
-            signature = (type(layer).__qualname__,
-                         tuple((n, tuple(p.shape), str(p.dtype)) for n, p in layer.parameters_and_names()),
-                         tuple((tuple(t.shape), str(t.dtype)) for t in _tensors(args)),
-                         tuple((r.key, r.new_bytes, r.saved) for r in record.ops),
-                         tuple(record.saved_sizes))
-            key = signatures.get(signature)
-            if key is None:
-                key = signatures[signature] = f"{type(layer).__name__}#{len(signatures)}"
-                types[key] = LayerType(key, [], record, _ProbeInput(layer, args, kwargs))
-            types[key].layers.append(j)
-            record.type_key = key
-        return types
+    def _no_grad(self) -> Any:
+        return _shim.no_grad()
 
     @staticmethod
     def copy_bandwidth(nbytes: int = 16 << 20) -> float:
@@ -1008,194 +729,161 @@ class MindSporeProber:
         with _shim.internal():
             src = ops.zeros((nbytes,), ms.uint8)
             dst = backend.empty_host_bytes(nbytes)
-            best = float("inf")
-            for _ in range(3):
-                _synchronize()
-                t0 = time.perf_counter()
-                dst.copy_(src)
-                _synchronize()
-                best = min(best, time.perf_counter() - t0)
+            best = fastest_seconds(lambda: dst.copy_(src), _synchronize)
         return nbytes / max(best, 1e-9)
 
-    # ------------------------------------------------------------------ probing one layer type
-    def probe(self, ltype: LayerType, option: LayerOption, seen: Sequence[OpKey],
-              reference: Optional[Dict[str, Any]] = None) -> Tuple[Effect, Dict[str, Any]]:
-        """Measure ``option`` on copies of ``ltype``'s layer (see the module docstring). Returns
-        its :class:`Effect` and the reference runs (every copy left as it is), which the caller
-        passes back for the type's other options."""
-        source: _ProbeInput = ltype.probe_inputs
-        if reference is None:
-            reference = {"middle": self._chain_memory(source, [None] * 4, seen),
-                         "last": self._chain_memory(source, [None] * 2, seen),
-                         "time": self._chain_time(source, None, seen)}
-        middle = self._chain_memory(source, [None, option, None, None], seen)
-        last = self._chain_memory(source, [None, option], seen)
-        delta_m = {k: middle[k] - reference["middle"][k] for k in middle}
-        delta_l = {k: last[k] - reference["last"][k] for k in last}
-        old = max(delta_m["gap 2"], delta_m["fwd 3"], delta_m["gap 3"], delta_m["bwd 3"])
-        effect = {
-            "own_fwd": delta_m["fwd 1"], "own_gap": delta_m["gap 1"], "fwd_age1": delta_m["fwd 2"], "old": old,
-            "bwd_prev": delta_m["bwd 2"], "own_bwd": delta_m["bwd 1"],
-            "after": max(delta_m["bwd 0"], delta_l["bwd 0"]),
-            "last_fwd": delta_l["fwd 1"], "last_head": delta_l["gap 1"], "last_bwd": delta_l["bwd 1"],
-        }
-        assert set(effect) == set(RELATIONS)
-        # Every option adds work to the layer (recompute, copies, bookkeeping): a run measured faster
-        # than the plain layer is timing noise, and counts as free.
-        seconds = max(0.0, (self._chain_time(source, option, seen) - reference["time"]) / 3)
-        return Effect(effect, seconds, measured=True), reference
+    def _copy_bytes_per_s(self, device: Any) -> float:
+        return self.copy_bandwidth()
 
-    def _copies(self, source: "_ProbeInput", options: Sequence[Optional[LayerOption]],
-                seen: Sequence[OpKey]) -> List[nn.Cell]:
-        copies = [copy.deepcopy(source.layer) for _ in options]
-        for i, option in enumerate(options):
-            if option is not None:
-                self.wrap(copies[i], option, seen)
-        for i in range(len(copies) - 1):
-            SwapManager().set_forward_prefetch_layer(copies[i], copies[i + 1])
-        return copies
+    def _copies_overlap(self, device: Any) -> bool:
+        return _accelerator() is not None
 
-    @staticmethod
-    def _forget(copies: List[nn.Cell]) -> None:
-        """Drop the probe's layer-chain groups (their layers die with the probe)."""
-        manager = SwapManager()
-        names = [manager.layer_group_name(layer) for layer in copies]
-        copies.clear()  # (the copies die here: nothing else refers to them)
-        for name in names:
-            if name is not None:
-                try:
-                    manager.discard_group(name)
-                except ValueError:  # a copy is still alive (a cycle): collect it, then drop its group
-                    gc.collect()
-                    manager.discard_group(name)
+    # ------------------------------------------------------------------ autograd
+    def _in_backward(self) -> bool:
+        return _backend().in_backward()
 
-    def _chain_memory(self, source: "_ProbeInput", options: Sequence[Optional[LayerOption]],
-                      seen: Sequence[OpKey]) -> Dict[str, int]:
-        """Segment peaks (by name) of one forward + backward of a chain of copies."""
-        copies = self._copies(source, options, seen)
+    def _grad_outputs(self, out: Any) -> List[Tensor]:
+        backend = _backend()
+        return [t for t in _outputs(out) if backend.requires_grad(t)]
+
+    def _clear_grads(self, layers: Sequence[nn.Cell]) -> None:
+        """Nothing: MindSpore returns gradients and keeps none on the parameters."""
+
+    # ------------------------------------------------------------------ the step
+    def step_peak(self, layers: Sequence[nn.Cell], step_fn: Callable[[], Any]) -> int:
+        """The peak device memory of one ``step_fn()`` as the planner counts it (the budget's
+        quantity; ``layers`` mark the segments): MindSpore's allocator on Ascend / GPU (measured),
+        the live-tensor count on a CPU (estimated, see the module docstring). Puts back what the
+        step changes, as profiling does."""
+        return self._instrumented(layers, step_fn, self.device()).peak_bytes
+
+    def _instrumented(self, layers: Sequence[nn.Cell], step_fn: Callable[[], Any], device: Any) -> StepTrace:
+        _backend().check_ready("plan_memory")  # (PyNative only: profiling and step_peak run the step here first)
         cpu = _accelerator() is None
+        state = _StepState()
+        state.save_rng()
+        log = self._layer_log()
         try:
-            with _kept(source) as state:
-                inputs = source.inputs()
-                meter = memory_meter()
-                live = meter if cpu else LiveTensorMeter()  # (on an accelerator: which tensors existed before)
-                with contextlib.ExitStack() as stack:
-                    stack.enter_context(meter)
-                    if live is not meter:
-                        stack.enter_context(live)
-                    segments = _Segments(meter)
-                    handles = _layer_marks(copies, segments)
-                    if cpu:  # (the gradients of the copies' parameters: see LiveTensorMeter)
-                        handles += [p.register_hook(live.hold) for c in copies for p in c.trainable_params()]
-                    try:
-                        segments.mark("pre", -1)
-                        with _TraceMode(live=live, state=state, shield=_Shield()), _SavedHooks(live):
-                            source.run(copies, inputs)
-                        segments.close()
-                    finally:
-                        for h in handles:
-                            h.remove()
+            with contextlib.ExitStack() as stack:
+                meter, live = _meters(stack)
+                recorder = _Recorder(self.key_of, live, count_grads=cpu, log=log)
+                stack.callback(recorder.remove_hooks)
+                _watch(stack, live, state, recorder)
+                segments = self._segmented(layers, meter, step_fn, log.on_pre, log.on_post)
+                reached = dict(live.reached)
+        finally:
+            state.restore()
+        notes = []
+        if cpu:
+            # The step's memory on a CPU: what it allocates (counted) plus the storages it reached that
+            # existed before it (parameters, inputs; as the budget counts them), whatever else the process holds.
+            before = sum(reached.values())
+            for segment in segments:
+                segment.start += before
+                segment.peak += before
+            baseline, peak = before, meter.peak_bytes + before
+            notes.append("memory on MindSpore's CPU build is estimated: MindSpore keeps no allocator statistics on "
+                         "a CPU, so the planner counts live tensors itself (op inputs and outputs, saved tensors, "
+                         "gradients, the engine's tensors at layer boundaries); it misses what only C++ holds, "
+                         "such as the outputs of backward kernels no dispatch mode sees (legacy primitives: "
+                         "LayerNorm, BiasAdd, Dropout); see docs/mindspore.md")
+        else:
+            baseline, peak = meter.baseline_bytes, meter.peak_bytes
+        params = dict(found for layer in layers for found in map(_storage, layer.get_parameters()) if found)
+        grads = dict(found for found in map(_storage, recorder.params.values()) if found)
+        return StepTrace(segments, log, baseline, peak, sum(params.values()), sum(grads.values()), state, notes)
+
+    def _probe_input(self, layer: nn.Cell, args: tuple, kwargs: dict) -> "_ProbeInput":
+        return _ProbeInput(layer, args, kwargs, self.device())
+
+    # ------------------------------------------------------------------ probes
+    @contextlib.contextmanager
+    def _kept(self, source: "_ProbeInput", copies: Sequence[nn.Cell], watch: bool) -> Iterator[_StepState]:
+        """A probe leaves the program as it found it: the default generator, and every tensor
+        outside the probe's copies that it writes in place (a hook of the layer that uses a cell of
+        the model). ``watch``: find those tensors with the trace mode, which a live-tensor meter
+        tells what existed before (legacy random primitives run shielded there)."""
+        state = _StepState()
+        state.save_rng()
+        for t in source.outside:
+            state.keep(t)
+        try:
+            with contextlib.ExitStack() as stack:
+                if watch:
+                    live = stack.enter_context(LiveTensorMeter())
+                    stack.enter_context(_TraceMode(live=live, state=state, shield=_Shield()))
+                yield state
+        finally:
+            if watch:
                 source.note_outside(state, copies)
-        finally:
-            self._forget(copies)
-        return {s.name: s.peak for s in segments.segments}
+            state.restore()
 
-    def _chain_time(self, source: "_ProbeInput", option: Optional[LayerOption], seen: Sequence[OpKey]) -> float:
-        """Seconds of one forward + backward of three copies, all wrapped by ``option`` (the
-        fastest of several runs)."""
-        copies = self._copies(source, [option] * 3, seen)
-        now = _clock()
-        best = float("inf")
-        try:
-            with _kept(source), _TraceMode(shield=_Shield()):
+    @contextlib.contextmanager
+    def _chain_meter(self, source: "_ProbeInput",
+                     copies: Sequence[nn.Cell]) -> Iterator[Tuple[Any, Tuple[Tensor, tuple, dict]]]:
+        with self._kept(source, copies, watch=False) as state:
+            try:
                 inputs = source.inputs()
-                source.run(copies, inputs)
-                for _ in range(_PROBE_REPEATS):
-                    _synchronize()
-                    with _no_gc():
-                        t0 = now()
-                        source.run(copies, inputs)
-                        _synchronize()
-                        best = min(best, now() - t0)
-        finally:
-            self._forget(copies)
-        return best
+                with contextlib.ExitStack() as stack:
+                    meter, live = _meters(stack)
+                    if live is meter:  # (a CPU: the gradients of the copies' parameters, see LiveTensorMeter)
+                        hooks = [p.register_hook(live.hold) for c in copies for p in c.trainable_params()]
+                        stack.callback(_remove, hooks)
+                    _watch(stack, live, state)
+                    yield meter, inputs
+            finally:
+                source.note_outside(state, copies)
 
-    def op_seconds(self, ltype: LayerType) -> Dict[OpKey, float]:
-        """Forward seconds of each op kind of ``ltype``'s layer (the sum over its calls; the
-        fastest of several runs of a copy), what recomputing it costs."""
-        source: _ProbeInput = ltype.probe_inputs
-        layer = copy.deepcopy(source.layer)
-        with _kept(source) as state, LiveTensorMeter() as live:  # (an untimed run finds what it writes outside)
-            with _TraceMode(live=live, state=state, shield=_Shield()), _no_grad():
-                source.forward(layer)
-            source.note_outside(state, [layer])
-        timer = _OpTimer(self.key_of)
-        with _kept(source), _no_grad():
-            for _ in range(_PROBE_REPEATS):
-                timer.start_run()
-                with _no_gc(), timer:
-                    source.forward(layer)
-        return timer.best()
+    def _op_timer(self, times: OpTimes) -> "_OpTimer":
+        return _OpTimer(times, self.key_of)
 
 
-@contextlib.contextmanager
-def _no_grad() -> Iterator[None]:
-    with _shim.no_grad():
-        yield
+def _meters(stack: contextlib.ExitStack) -> Tuple[Any, LiveTensorMeter]:
+    """Enter on ``stack`` the meter of the current device (:func:`memory_meter`) and the live-tensor
+    meter the trace mode feeds: the same one on a CPU; on an accelerator, one that only tells which
+    tensors existed before (and, for the recorder, which storages live)."""
+    meter = stack.enter_context(memory_meter())
+    live = meter if isinstance(meter, LiveTensorMeter) else stack.enter_context(LiveTensorMeter())
+    return meter, live
 
 
-class _OpTimer(MsDispatchMode):
-    """Times every op call of a forward; keeps the fastest of the runs, per call. Random legacy
-    primitives run shielded (see :class:`_Shield`)."""
+def _watch(stack: contextlib.ExitStack, live: LiveTensorMeter, state: _StepState,
+           recorder: Optional[_Recorder] = None) -> None:
+    """Enter on ``stack`` the trace mode (feeding ``live``, keeping what existed before and is
+    written into ``state``, shielding the random primitives, recording for ``recorder``) and the
+    saved-tensor hooks feeding ``live`` (and ``recorder``)."""
+    stack.enter_context(_TraceMode(live=live, state=state, shield=_Shield(), recorder=recorder))
+    stack.enter_context(_SavedHooks(live, recorder))
 
-    def __init__(self, key_of: Callable[[Any, tuple], OpKey]) -> None:
+
+def _remove(handles: List[Any]) -> None:
+    for h in handles:
+        h.remove()
+
+
+class _OpTimer(_PipelineOffMode):
+    """Passes every op call through ``times`` (:class:`~hyper_parallel.planner.probing.OpTimes`).
+    Random legacy primitives run shielded (see :class:`_Shield`)."""
+
+    def __init__(self, times: OpTimes, key_of: Callable[[Any, tuple], OpKey]) -> None:
         super().__init__()
+        self.times = times
         self.key_of = key_of
-        self.now = _clock()
-        self.runs: List[List[Tuple[OpKey, float]]] = []
         self._shield = _Shield()
-        self._was_off: List[bool] = []
-
-    def start_run(self) -> None:
-        self.runs.append([])
-
-    def __enter__(self) -> "_OpTimer":
-        self._was_off.append(_shim.disable_pipeline())
-        super().__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> Any:
-        try:
-            return super().__exit__(*exc)
-        finally:
-            _shim.restore_pipeline(self._was_off.pop())
 
     def __ms_dispatch__(self, func: Any, args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]] = None) -> Any:
         if is_legacy_primitive_call(args) and is_random_op(args[1]):
             args = self._shield.args(args)
-        _synchronize()
-        t0 = self.now()
-        out = func(*args, **kwargs) if kwargs else func(*args)
-        _synchronize()
-        self.runs[-1].append((self.key_of(func, args), self.now() - t0))
-        return out
-
-    def best(self) -> Dict[OpKey, float]:
-        out: Dict[OpKey, float] = {}
-        calls = min(len(r) for r in self.runs)
-        for i in range(calls):
-            key = self.runs[0][i][0]
-            out[key] = out.get(key, 0.0) + min(r[i][1] for r in self.runs)
-        return out
+        return self.times.call(self.key_of(func, args), lambda: func(*args, **kwargs) if kwargs else func(*args))
 
 
 class _ProbeInput:
     """One layer and the input it received in the step: what a probe runs copies of. The input's
     tensors are kept as host (numpy) copies between probes, never as device memory."""
 
-    def __init__(self, layer: nn.Cell, args: tuple, kwargs: dict) -> None:
+    def __init__(self, layer: nn.Cell, args: tuple, kwargs: dict, device: str) -> None:
         self.layer = layer
+        self.device = device
         self.outside: List[Tensor] = []  # tensors outside the layer a run writes in place
         with _shim.internal():
             self._host = copy.deepcopy(_tree_map(_to_host, (tuple(args), dict(kwargs))))
@@ -1225,7 +913,7 @@ class _ProbeInput:
 
         def chain(h: Tensor) -> Tensor:
             for layer in copies:
-                h = _hidden(layer(h, *rest, **kwargs))
+                h = hidden(layer(h, *rest, **kwargs), Tensor)
             return h
 
         out, vjp_fn = ms.vjp(chain, x, weights=weights or None)
@@ -1258,18 +946,3 @@ def _tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: _tree_map(fn, v) for k, v in tree.items()}
     return fn(tree)
-
-
-@contextlib.contextmanager
-def _kept(source: _ProbeInput) -> Iterator[_StepState]:
-    """A probe leaves the program as it found it: the default generator, and every tensor
-    outside the probe's copies that it writes in place (found by the memory runs' mode; a hook of
-    the layer that uses a cell of the model). Legacy random primitives run shielded inside."""
-    state = _StepState()
-    state.save_rng()
-    for t in source.outside:
-        state.keep(t)
-    try:
-        yield state
-    finally:
-        state.restore()

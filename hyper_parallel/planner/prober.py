@@ -4,7 +4,9 @@ The planner's core (options, cost model, solver, plans) imports no framework; on
 framework supplies the rest, and the public API module binds the one of the selected framework
 (``hyper_parallel.planner.set_prober``), as it binds the engine's backend.
 ``hyper_parallel.planner.torch_prober.TorchProber`` is PyTorch's,
-``hyper_parallel.planner.mindspore_prober.MindSporeProber`` MindSpore's (PyNative).
+``hyper_parallel.planner.mindspore_prober.MindSporeProber`` MindSpore's (PyNative). Both are
+``hyper_parallel.planner.probing.ChainProber`` s: the algorithm is written once there, and each
+implements only its framework's primitives.
 """
 
 from __future__ import annotations

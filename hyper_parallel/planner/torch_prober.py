@@ -1,27 +1,18 @@
-"""The planner's PyTorch part: profile a training step, probe a layer's options in isolation.
+"""The planner's PyTorch part: the primitives :class:`~hyper_parallel.planner.probing.ChainProber`
+profiles a training step and probes a layer's options with (the algorithm is there, once for
+every framework).
 
-Profiling (:meth:`TorchProber.profile_step`) calls the user's ``step_fn`` twice:
-
-1. instrumented, under a :class:`~hyper_parallel.tools.memory.MemoryMeter` (the allocator on an
-   accelerator, live storages on a CPU): layer hooks cut the step into segments (each layer's
-   forward, the stretch after it, each layer's backward, which starts when the gradient of its
-   output is ready), a dispatch mode records every op of each layer's forward, and saved-tensor
-   hooks (which save what autograd would, through an alias) record what autograd keeps;
-2. plain, for the step's time, with hooks that time each layer and keep one input of each kind
-   of layer for the probes.
-
-Around both calls everything the step changes is put back: the gradients of the parameters it
-reaches (``.grad`` objects and values), every tensor that existed before the step and was written
-in place by it (BatchNorm statistics, accumulated gradients; found by the dispatch mode of call
-1 and copied to the host before the first write), and the random number generators.
-
-Probing (:meth:`TorchProber.probe`) runs deep copies of one layer alone, chained through the
-layer chain as the model's layers are, on the input it received in the step: once with every
-copy left as it is and once with one copy wrapped by the option, and reads the difference at
-each segment (:class:`~hyper_parallel.planner.profile.Effect`). Four copies with the option on
-the second show how a layer affects its own forward and backward, the next layer's and later
-ones; two copies with the option on the last show the last layer's case. The time is that of
-three copies all wrapped, against three left as they are, the faster of several runs.
+- Memory: a :class:`~hyper_parallel.tools.memory.MemoryMeter` (the allocator on an accelerator,
+  live storages on a CPU).
+- The op trace of call 1: a ``TorchDispatchMode`` (:class:`_Recorder`) records every op of each
+  layer's forward, and saved-tensor hooks (which save what autograd would, through an alias)
+  record what autograd keeps.
+- What a step changes is put back around both calls of it: the gradients of the parameters it
+  reaches (``.grad`` objects and values), every tensor that existed before the step and was
+  written in place by it (BatchNorm statistics, accumulated gradients; found by the dispatch mode
+  of call 1 and copied to the host before the first write), and the random number generators.
+- Probes run deep copies of a layer on a host copy of the input it received in the step
+  (:class:`_ProbeInput`; a Hugging Face KV cache left out), forward and ``backward``.
 """
 
 from __future__ import annotations
@@ -30,23 +21,21 @@ import contextlib
 import copy
 import gc
 import sys
-import time
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from hyper_parallel.backends.torch.backend import TorchBackend
-from hyper_parallel.core.swap_manager import SwapManager
-from hyper_parallel.core.wrapping import checkpoint_wrapper, swap_wrapper
 from hyper_parallel.integrations import find_layer_stack
-from hyper_parallel.tools.clock import no_gc, step_clock
+from hyper_parallel.tools.clock import step_clock
 from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, mark_host
 
-from .options import LayerOption, OpKey, option_policy
-from .profile import Effect, LayerRecord, LayerType, OpRecord, RELATIONS, Segment, StepProfile
+from .options import OpKey
+from .probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
+from .step_state import StepState
 
 __all__ = ["TorchProber", "EXPENSIVE_OPS"]
 
@@ -60,101 +49,19 @@ EXPENSIVE_OPS = frozenset(str(op) for op in (
 ))
 #: imported by a program that trains Hugging Face models (it imports transformers, so not here)
 _HF_INTEGRATION = "hyper_parallel.integrations.transformers"
-_PROBE_REPEATS = 3
-#: Bytes added to every relation of a wrapped layer's effect: the small allocations of the engine
-#: and of the framework's checkpoint around a wrapped layer (random-number states, handles), a few
-#: hundred bytes that two peaks measured at different moments can miss.
-SLACK_BYTES = 4 << 10
-
-
-_clock = step_clock  # (steps, probes and ops are timed as the benchmarks time them)
-
-
-def _hidden(out: Any) -> torch.Tensor:
-    """The activation a layer passes to the next: its output, or the first element of it."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise TypeError(f"plan_memory: a layer returned {type(out).__name__}; the planner needs a layer stack whose "
-                    "layers return the next layer's input (a tensor, or a tuple whose first item is one).")
-
 
 _BACKEND = TorchBackend()
 _storage_key = _BACKEND.storage_id  # the engine's storage identity
 _in_backward = _BACKEND.in_backward
 
 
-def _tensor_args(args: Sequence[Any]) -> Iterator[torch.Tensor]:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (t for t in a if isinstance(t, torch.Tensor))
-
-
-class _Segments:
-    """Cuts a region measured by ``meter`` into :class:`Segment` s, at marks."""
-
-    def __init__(self, meter: MemoryMeter) -> None:
-        self.meter = meter
-        self.segments: List[Segment] = []
-
-    def mark(self, kind: str, layer: int) -> None:
-        peak = self.meter.reset_peak()
-        if self.segments:
-            self.segments[-1].peak = max(self.segments[-1].start, peak)
-        start = self.meter.current_bytes
-        self.segments.append(Segment(kind, layer, start, start))
-
-    def close(self) -> None:
-        self.mark("end", -1)
-        self.segments.pop()
-
-
-def _layer_marks(layers: Sequence[torch.nn.Module], segments: _Segments,
-                 on_pre: Optional[Callable[[int, tuple, dict], None]] = None,
-                 on_post: Optional[Callable[[int, Any], None]] = None) -> List[Any]:
-    """Hooks marking each layer's forward, the stretch after it, and its backward (when the
-    gradient of its output is ready). Returns the removable handles."""
-    handles = []
-    for j, layer in enumerate(layers):
-        def pre(module: Any, args: tuple, kwargs: dict, j: int = j) -> None:
-            if _in_backward():  # (a recomputation: not a new forward)
-                return
-            segments.mark("fwd", j)
-            if on_pre is not None:
-                on_pre(j, args, kwargs)
-
-        def post(module: Any, args: tuple, kwargs: dict, out: Any, j: int = j) -> None:
-            if _in_backward():
-                return
-            if on_post is not None:
-                on_post(j, out)
-            segments.mark("gap", j)
-            fired = [False]
-
-            def on_grad(grad: Any) -> None:
-                if not fired[0]:
-                    fired[0] = True
-                    segments.mark("bwd", j)
-
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(on_grad)
-
-        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(layer.register_forward_hook(post, with_kwargs=True))
-    return handles
-
-
-class _StepState:
-    """What a step changes, put back afterwards (see the module docstring)."""
+class _StepState(StepState):
+    """What a step changes, put back afterwards (see the module docstring): beside the tensors it
+    writes and the generators, the ``.grad`` of every leaf it reaches (``leaves``)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.leaves: Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}  # id -> (leaf, its .grad)
-        self.written: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # storage -> (tensor, host copy)
-        self._rng: Any = None
 
     def see_leaf(self, t: torch.Tensor) -> None:
         if id(t) not in self.leaves:
@@ -163,62 +70,64 @@ class _StepState:
             if grad is not None:
                 self.keep(grad)
 
-    def keep(self, t: torch.Tensor) -> None:
-        """Copy ``t`` to the host before the step writes it (once per storage)."""
-        key = _storage_key(t)
-        if key not in self.written:
-            host = t.detach().to("cpu", copy=True)
-            mark_host(host)  # (never counted as device memory by a CPU meter)
-            self.written[key] = (t, host)
-
-    def save_rng(self) -> None:
-        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        dm = torch.get_device_module(acc.type) if acc is not None else None
-        self._rng = (torch.get_rng_state(), dm.get_rng_state_all() if dm is not None else None, dm)
-
     def again(self) -> "_StepState":
-        """A state that snapshots the same tensors now, for another call of the step."""
-        other = _StepState()
+        other = cast(_StepState, super().again())
         for leaf, _ in self.leaves.values():
             other.see_leaf(leaf)
-        for t, _ in self.written.values():
-            other.keep(t)
         return other
 
     def restore(self) -> None:
-        with torch.no_grad():
-            for t, host in self.written.values():
-                t.copy_(host)
+        super().restore()
         for leaf, grad in self.leaves.values():
             leaf.grad = grad
-        if self._rng is not None:
-            cpu, acc, dm = self._rng
-            torch.set_rng_state(cpu)
-            if acc is not None:
-                dm.set_rng_state_all(acc)
+
+    def _storage_of(self, t: torch.Tensor) -> int:
+        return _storage_key(t)
+
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        host = t.detach().to("cpu", copy=True)
+        mark_host(host)  # (never counted as device memory by a CPU meter)
+        return host
+
+    def _write_back(self, written: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for t, host in written:
+                t.copy_(host)
+
+    def _rng_state(self) -> Any:
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        dm = torch.get_device_module(acc.type) if acc is not None else None
+        return torch.get_rng_state(), dm.get_rng_state_all() if dm is not None else None, dm
+
+    def _set_rng_state(self, state: Any) -> None:
+        cpu, acc, dm = state
+        torch.set_rng_state(cpu)
+        if acc is not None:
+            dm.set_rng_state_all(acc)
 
 
 class _Recorder(TorchDispatchMode):
-    """Call 1's dispatch mode: the op calls of the layer whose forward runs (per layer), the
-    storages created in the step, the parameters it reaches and the tensors it overwrites."""
+    """A dispatch mode watching a step or a probe run: the tensors that existed before it and that
+    it overwrites (into ``state``), the storages created in it, the parameters it reaches and,
+    given a ``log`` (call 1 of profiling), the op calls of the layer whose forward runs."""
 
-    def __init__(self, state: _StepState, key_of: Callable[[Any, tuple], OpKey], written: Callable[..., list]) -> None:
+    def __init__(self, state: _StepState, key_of: Callable[[Any, tuple], OpKey], written: Callable[..., list],
+                 log: Optional[LayerLog] = None) -> None:
         super().__init__()
         self.state = state
         self.key_of = key_of
         self.written = written
-        self.layer: Optional[int] = None
-        self.ops: Dict[int, List[OpRecord]] = {}
-        # storage -> the op record of the running layer that made it / storages made in the step:
-        # a storage's key can be reused once it died, so both forget it then.
-        self.made_by: Dict[int, Tuple[int, OpRecord]] = {}
+        self.log = log
+        # storages made in the step: a storage's key can be reused once it died, so it is
+        # forgotten then (here and in the log)
         self.created: Dict[int, Any] = {}
         self.reached: Dict[int, int] = {}  # storages the step used that existed before it -> bytes
 
     def _made(self, key: int, storage: Any) -> None:
         def forget(_: Any, key: int = key) -> None:
             self.created.pop(key, None)
-            self.made_by.pop(key, None)
+            if self.log is not None:
+                self.log.forget(key)
 
         self.created[key] = weakref.ref(storage, forget)
 
@@ -251,19 +160,18 @@ class _Recorder(TorchDispatchMode):
                     self._made(key, storage)
                     new_bytes += storage.nbytes()
                     made.append(key)
-        if self.layer is not None and forward:
-            label = str(func)
-            record = OpRecord(self.key_of(func, args), new_bytes, False, mutating, label in EXPENSIVE_OPS)
-            self.ops.setdefault(self.layer, []).append(record)
-            for key in made:
-                self.made_by[key] = (self.layer, record)
+        if self.log is not None and self.log.layer is not None and forward:
+            self.log.op(self.key_of(func, args), new_bytes, mutating, str(func) in EXPENSIVE_OPS, made)
         return out
 
 
-class TorchProber:
-    """Profiling and probing on PyTorch (see the module docstring); the planner's framework part."""
+class TorchProber(ChainProber):
+    """Profiling and probing on PyTorch; the planner's framework part. The algorithm is
+    :class:`~hyper_parallel.planner.probing.ChainProber`'s; this class gives it PyTorch's
+    primitives (see the module docstring)."""
 
     name = "torch"
+    tensor_type = torch.Tensor
 
     def __init__(self) -> None:
         self._backend = _BACKEND
@@ -275,13 +183,20 @@ class TorchProber:
         label = self._labels.get(op)
         if label is None:
             label = self._labels[op] = str(op)
-        return OpKey(label, tuple(tuple(t.shape) for t in _tensor_args(args)))
+        return OpKey(label, tuple(tuple(t.shape) for t in tensors_in(args, torch.Tensor)))
 
     @staticmethod
     def nbytes(t: Any) -> int:
         """Bytes of the storage a saved tensor views (what a swap moves)."""
         return t.untyped_storage().nbytes()
 
+    def _storage_bytes(self, t: torch.Tensor) -> int:
+        return t.untyped_storage().nbytes()
+
+    def _named_parameters(self, layer: torch.nn.Module) -> Iterable[Tuple[str, Any]]:
+        return layer.named_parameters()
+
+    # ------------------------------------------------------------------ the model
     @staticmethod
     def is_layer(x: Any) -> bool:
         return isinstance(x, torch.nn.Module)
@@ -314,15 +229,7 @@ class TorchProber:
                 type(model).__module__.startswith("transformers."):
             integration.checkpoint_above(model, layers)
 
-    def wrap(self, layer: torch.nn.Module, option: LayerOption, seen: Sequence[OpKey]) -> Any:
-        """Wrap ``layer`` in place for ``option`` through the public API; the generated policy."""
-        policy = option_policy(option, seen, self.key_of, self.nbytes)
-        if option.kind == "swap":
-            swap_wrapper(layer, policy_fn=policy)
-        elif option.kind == "checkpoint":
-            checkpoint_wrapper(layer, policy_fn=policy, swap_inputs=option.swap_inputs)
-        return policy
-
+    # ------------------------------------------------------------------ devices and time
     @staticmethod
     def device_of(layers: Sequence[torch.nn.Module]) -> torch.device:
         for layer in layers:
@@ -330,159 +237,22 @@ class TorchProber:
                 return p.device
         return torch.device("cpu")
 
+    def _device_of(self, layers: Sequence[torch.nn.Module]) -> torch.device:
+        return self.device_of(layers)
+
     @staticmethod
     def synchronize(device: torch.device) -> None:
         if device.type != "cpu":
             torch.get_device_module(device.type).synchronize(device)
 
-    # ------------------------------------------------------------------ profiling the step
-    def profile_step(self, layers: Sequence[torch.nn.Module], step_fn: Callable[[], Any]) -> StepProfile:
-        device = self.device_of(layers)
-        n = len(layers)
-        # Call 1: the memory timeline, every layer's ops and saved storages.
-        state = _StepState()
-        state.save_rng()
-        recorder = _Recorder(state, self.key_of, self._backend.written_tensors)
-        saved: Dict[int, Dict[int, int]] = {}  # layer -> storage -> bytes
-        inputs: Dict[int, int] = {}
-        flows: List[bool] = []
-        outputs: Dict[int, int] = {}
+    def _clock(self, device: torch.device) -> Callable[[], float]:
+        return step_clock(device)  # (steps, probes and ops are timed as the benchmarks time them)
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if recorder.layer is not None and t.layout is torch.strided and not t.is_meta:
-                key = _storage_key(t)
-                made = recorder.made_by.get(key)
-                if made is not None and made[0] == recorder.layer:  # (saved by the layer that made it)
-                    made[1].saved = True
-                saved.setdefault(recorder.layer, {})[key] = t.untyped_storage().nbytes()
-            return t.detach()  # what autograd would keep: an alias of the same storage
+    def _timing_mode(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # (what a timed run changes, _kept puts back)
 
-        arg_shapes: Dict[int, tuple] = {}
-
-        held: List[int] = []
-        given: Dict[int, Any] = {}  # layer -> a weak reference to its input
-
-        def on_pre(j: int, args: tuple, kwargs: dict) -> None:
-            recorder.layer = j
-            arg_shapes[j] = tuple((tuple(t.shape), str(t.dtype)) for t in _tensor_args(args))
-            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            if x is not None:
-                given[j] = weakref.ref(x)
-            inputs[j] = x.untyped_storage().nbytes() if x is not None else 0
-            flows.append(x is not None and outputs.get(j - 1) == id(x))
-
-        def on_post(j: int, out: Any) -> None:
-            recorder.layer = None
-            outputs[j] = id(_hidden(out))
-            # (autograd keeps aliases of what it saves: the input object itself outlives the next
-            # layer only where the program holds it)
-            earlier = given.pop(j - 1, None)
-            if earlier is not None and earlier() is not None:
-                held.append(j - 1)
-
-        # On a CPU the step's memory is every live storage (the meter counts them all) but those it
-        # has nothing to do with: alive before and after it, never read or written by it (see
-        # _unrelated_bytes). An accelerator's allocator counts all of its memory.
-        cpu = device.type == "cpu"
-        gc.collect()  # (garbage in reference cycles would count as live memory)
-        try:
-            with MemoryMeter(device) as meter:
-                segments = _Segments(meter)
-                handles = _layer_marks(layers, segments, on_pre, on_post)
-                try:
-                    segments.mark("pre", -1)
-                    with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                        step_fn()
-                    segments.close()
-                finally:
-                    for h in handles:
-                        h.remove()
-        finally:
-            state.restore()
-        unrelated = _unrelated_bytes(recorder) if cpu else 0
-        kinds = [(s.kind, s.layer) for s in segments.segments]
-        expected = [("pre", -1)] + [(k, j) for j in range(n) for k in ("fwd", "gap")] + \
-                   [("bwd", j) for j in range(n - 1, -1, -1)]
-        if kinds != expected:
-            raise RuntimeError(
-                "plan_memory: step_fn must run every layer's forward once, in order, then the backward "
-                f"through all of them (got the layer events {[f'{k} {j}' for k, j in kinds[:12]]}...). Pass the "
-                "model's layer stack in the order its forward calls it, and a step_fn doing one forward + backward.")
-        # Call 2: the plain step's time and each layer's; an input of every layer kept for probes.
-        times = [[0.0, 0.0] for _ in range(n)]
-        clock: Dict[str, float] = {}
-        records = []
-        for j in range(n):
-            sizes = sorted(saved.get(j, {}).values(), reverse=True)
-            records.append(LayerRecord(j, "", recorder.ops.get(j, []), sizes, inputs.get(j, 0)))
-        types = self._layer_types(layers, records, arg_shapes)
-        first = {t.layers[0]: t for t in types.values()}
-
-        now = _clock(device)
-
-        def timed_pre(j: int, args: tuple, kwargs: dict) -> None:
-            if j in first:  # the input a probe of its type runs on, copied now (a cache fills up later)
-                first[j].probe_inputs = _ProbeInput(layers[j], args, kwargs)
-            clock["f"] = now()
-
-        def timed_post(j: int, out: Any) -> None:
-            times[j][0] = now() - clock["f"]
-
-        second = state.again()
-        second.save_rng()
-        timer = _Timer(now)
-        handles = _layer_marks(layers, timer, timed_pre, timed_post)
-        try:
-            self.synchronize(device)
-            with no_gc():
-                t0 = now()
-                step_fn()
-                self.synchronize(device)
-                step_s = now() - t0
-        finally:
-            for h in handles:
-                h.remove()
-            second.restore()
-        for j, seconds in timer.backward_times(n).items():
-            times[j][1] = seconds
-        for j, record in enumerate(records):
-            record.forward_s, record.backward_s = times[j]
-            record.input_held = j in held
-        params = {_storage_key(p): p.untyped_storage().nbytes() for layer in [*layers] for p in layer.parameters()}
-        param_bytes = sum(params.values())
-        before = -unrelated
-        for segment in segments.segments:
-            segment.start += before
-            segment.peak += before
-        all_leaves = {_storage_key(leaf): leaf.untyped_storage().nbytes() for leaf, _ in state.leaves.values()}
-        notes = []
-        if not all(flows[1:]):
-            notes.append("a layer's input is not the previous layer's output: the probes chain the layers anyway")
-        return StepProfile(
-            device=str(device), segments=segments.segments, layers=records, types=types,
-            baseline_bytes=meter.baseline_bytes + before, peak_bytes=meter.peak_bytes + before, step_s=step_s,
-            param_bytes=max(param_bytes, sum(all_leaves.values())), grad_bytes=sum(all_leaves.values()),
-            copy_bytes_per_s=self.copy_bandwidth(device), overlaps=device.type != "cpu", notes=notes)
-
-    @staticmethod
-    def _layer_types(layers: Sequence[torch.nn.Module], records: List[LayerRecord],
-                     arg_shapes: Dict[int, tuple]) -> Dict[str, LayerType]:
-        """Group the layers whose profiles agree (class, parameter shapes, input shapes, ops,
-        saved storages) into :class:`LayerType` s (without their probe inputs yet)."""
-        types: Dict[str, LayerType] = {}
-        signatures: Dict[Any, str] = {}
-        for j, (layer, record) in enumerate(zip(layers, records)):
-            signature = (type(layer).__qualname__,
-                         tuple((n, tuple(p.shape), str(p.dtype)) for n, p in layer.named_parameters()),
-                         arg_shapes.get(j), tuple((r.key, r.new_bytes, r.saved) for r in record.ops),
-                         tuple(record.saved_sizes))
-            key = signatures.get(signature)
-            if key is None:
-                key = signatures[signature] = f"{type(layer).__name__}#{len(signatures)}"
-                types[key] = LayerType(key, [], record)
-            types[key].layers.append(j)
-            record.type_key = key
-        return types
+    def _no_grad(self) -> contextlib.AbstractContextManager:
+        return torch.no_grad()
 
     @staticmethod
     def copy_bandwidth(device: torch.device, nbytes: int = 32 << 20) -> float:
@@ -491,178 +261,105 @@ class TorchProber:
         src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type != "cpu")
         mark_host(dst)
-        best = float("inf")
-        for _ in range(3):
-            TorchProber.synchronize(device)
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            TorchProber.synchronize(device)
-            best = min(best, time.perf_counter() - t0)
+        best = fastest_seconds(lambda: dst.copy_(src, non_blocking=True), lambda: TorchProber.synchronize(device))
         return nbytes / max(best, 1e-9)
 
-    # ------------------------------------------------------------------ probing one layer type
-    def probe(self, ltype: LayerType, option: LayerOption, seen: Sequence[OpKey],
-              reference: Optional[Dict[str, Any]] = None) -> Tuple[Effect, Dict[str, Any]]:
-        """Measure ``option`` on copies of ``ltype``'s layer (see the module docstring). Returns
-        its :class:`Effect` and the reference runs (every copy left as it is), which the caller
-        passes back for the type's other options."""
-        source: _ProbeInput = ltype.probe_inputs
-        if reference is None:
-            reference = {"middle": self._chain_memory(source, [None] * 4, seen),
-                         "last": self._chain_memory(source, [None] * 2, seen),
-                         "time": self._chain_time(source, None, seen)}
-        middle = self._chain_memory(source, [None, option, None, None], seen)
-        last = self._chain_memory(source, [None, option], seen)
-        delta_m = {k: middle[k] - reference["middle"][k] for k in middle}
-        delta_l = {k: last[k] - reference["last"][k] for k in last}
-        old = max(delta_m["gap 2"], delta_m["fwd 3"], delta_m["gap 3"], delta_m["bwd 3"])
-        effect = {
-            "own_fwd": delta_m["fwd 1"], "own_gap": delta_m["gap 1"], "fwd_age1": delta_m["fwd 2"], "old": old,
-            "bwd_prev": delta_m["bwd 2"], "own_bwd": delta_m["bwd 1"],
-            "after": max(delta_m["bwd 0"], delta_l["bwd 0"]),
-            "last_fwd": delta_l["fwd 1"], "last_head": delta_l["gap 1"], "last_bwd": delta_l["bwd 1"],
-        }
-        assert set(effect) == set(RELATIONS)
-        for relation in RELATIONS:  # what a wrapped layer keeps that a difference of peaks can miss
-            if relation != "after":
-                effect[relation] += SLACK_BYTES
-        # Every option adds work to the layer (recompute, copies, bookkeeping): a run measured faster
-        # than the plain layer is timing noise, and counts as free.
-        seconds = max(0.0, (self._chain_time(source, option, seen) - reference["time"]) / 3)
-        return Effect(effect, seconds, measured=True), reference
+    def _copy_bytes_per_s(self, device: torch.device) -> float:
+        return self.copy_bandwidth(device)
 
-    def _copies(self, source: "_ProbeInput", options: Sequence[Optional[LayerOption]],
-                seen: Sequence[OpKey]) -> List[torch.nn.Module]:
-        copies = [copy.deepcopy(source.layer) for _ in options]
-        for i, option in enumerate(options):
-            if option is not None:
-                self.wrap(copies[i], option, seen)
-        for i in range(len(copies) - 1):
-            SwapManager().set_forward_prefetch_layer(copies[i], copies[i + 1])
-        return copies
+    def _copies_overlap(self, device: torch.device) -> bool:
+        return device.type != "cpu"
 
-    @staticmethod
-    def _forget(copies: List[torch.nn.Module]) -> None:
-        """Drop the probe's layer-chain groups (their layers die with the probe)."""
-        manager = SwapManager()
-        names = [manager.layer_group_name(layer) for layer in copies]
-        copies.clear()  # (the copies die here: nothing else refers to them)
-        for name in names:
-            if name is not None:
-                try:
-                    manager.discard_group(name)
-                except ValueError:  # a copy is still alive (a cycle): collect it, then drop its group
-                    gc.collect()
-                    with contextlib.suppress(ValueError):  # (alive still: an error on its way out holds it)
-                        manager.discard_group(name)
+    # ------------------------------------------------------------------ autograd
+    def _in_backward(self) -> bool:
+        return _in_backward()
 
-    def _chain_memory(self, source: "_ProbeInput", options: Sequence[Optional[LayerOption]],
-                      seen: Sequence[OpKey]) -> Dict[str, int]:
-        """Segment peaks (by name) of one forward + backward of a chain of copies."""
-        copies = self._copies(source, options, seen)
+    def _grad_outputs(self, out: Any) -> List[torch.Tensor]:
+        return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def _clear_grads(self, layers: Sequence[torch.nn.Module]) -> None:
+        for layer in layers:  # (a function of its own: no loop variable outlives the probe's copies)
+            layer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ the step
+    def _instrumented(self, layers: Sequence[torch.nn.Module], step_fn: Callable[[], Any],
+                      device: torch.device) -> StepTrace:
+        state = _StepState()
+        state.save_rng()
+        log = self._layer_log()
+        recorder = _Recorder(state, self.key_of, self._backend.written_tensors, log)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if log.layer is not None and t.layout is torch.strided and not t.is_meta:
+                log.save(_storage_key(t), t.untyped_storage().nbytes())
+            return t.detach()  # what autograd would keep: an alias of the same storage
+
+        # On a CPU the step's memory is every live storage (the meter counts them all) but those it
+        # has nothing to do with: alive before and after it, never read or written by it (see
+        # _unrelated_bytes). An accelerator's allocator counts all of its memory.
+        gc.collect()  # (garbage in reference cycles would count as live memory)
         try:
-            with _kept(source, self.key_of, watch=True, copies=copies):
-                # (no warm-up run: host buffers are never device memory, and the step ran already,
-                # so one-off device allocations such as a BLAS workspace are made)
-                inputs = source.inputs()
-                tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
-                with MemoryMeter(source.device, track=[copies, tensors], scan_gc=False) as meter:
-                    segments = _Segments(meter)
-                    handles = _layer_marks(copies, segments)
-                    try:
-                        segments.mark("pre", -1)
-                        source.run(copies, inputs)
-                        segments.close()
-                    finally:
-                        for h in handles:
-                            h.remove()
+            with MemoryMeter(device) as meter, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                segments = self._segmented(layers, meter, step_fn, log.on_pre, log.on_post)
         finally:
-            self._forget(copies)
-        return {s.name: s.peak for s in segments.segments}
+            state.restore()
+        before = -_unrelated_bytes(recorder) if device.type == "cpu" else 0
+        for segment in segments:
+            segment.start += before
+            segment.peak += before
+        params = {_storage_key(p): p.untyped_storage().nbytes() for layer in layers for p in layer.parameters()}
+        leaves = {_storage_key(leaf): leaf.untyped_storage().nbytes() for leaf, _ in state.leaves.values()}
+        return StepTrace(segments, log, meter.baseline_bytes + before, meter.peak_bytes + before,
+                         sum(params.values()), sum(leaves.values()), state)
 
-    def _chain_time(self, source: "_ProbeInput", option: Optional[LayerOption], seen: Sequence[OpKey]) -> float:
-        """Seconds of one forward + backward of three copies, all wrapped by ``option`` (the
-        fastest of several runs)."""
-        copies = self._copies(source, [option] * 3, seen)
-        now = _clock(source.device)
-        best = float("inf")
+    def _probe_input(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> "_ProbeInput":
+        return _ProbeInput(layer, args, kwargs)
+
+    # ------------------------------------------------------------------ probes
+    @contextlib.contextmanager
+    def _kept(self, source: "_ProbeInput", copies: Sequence[torch.nn.Module], watch: bool) -> Iterator[_StepState]:
+        """A probe leaves the program as it found it: the generators (probes draw dropout masks too)
+        and every tensor outside the probe's copies that it wrote in place (a hook of the layer using
+        a module of the model, e.g. a BatchNorm's statistics). ``watch``: find those tensors with a
+        dispatch mode (for runs whose time does not count); else restore the ones found before."""
+        state = _StepState()
+        state.save_rng()
+        for t in source.outside:
+            state.keep(t)
+        recorder = _Recorder(state, self.key_of, _BACKEND.written_tensors) if watch else contextlib.nullcontext()
         try:
-            with _kept(source, self.key_of, watch=False):
-                source.run(copies)
-                for _ in range(_PROBE_REPEATS):
-                    _zero_grads(copies)
-                    inputs = source.inputs()
-                    self.synchronize(source.device)
-                    with no_gc():
-                        t0 = now()
-                        source.run(copies, inputs)
-                        self.synchronize(source.device)
-                        best = min(best, now() - t0)
+            with recorder:
+                yield state
         finally:
-            self._forget(copies)
-        return best
+            if watch:  # (the copies' own tensors are made afresh for every run: nothing to put back)
+                own = {_storage_key(t) for layer in copies for t in [*layer.parameters(), *layer.buffers()]}
+                found = [t for key, (t, _) in state.written.items() if key not in own]
+                source.outside = list({id(t): t for t in [*source.outside, *found]}.values())
+            state.restore()
 
-    def op_seconds(self, ltype: LayerType) -> Dict[OpKey, float]:
-        """Forward seconds of each op kind of ``ltype``'s layer (the sum over its calls; the
-        fastest of several runs of a copy), what recomputing it costs."""
-        source: _ProbeInput = ltype.probe_inputs
-        layer = copy.deepcopy(source.layer)
-        timer = _OpTimer(source.device, self.key_of)
-        with torch.no_grad():
-            for _ in range(_PROBE_REPEATS):
-                timer.start_run()
-                with no_gc(), timer, _kept(source, self.key_of, watch=True, copies=[layer]):  # (the timer below: ops only)
-                    source.forward(layer)
-        return timer.best()
+    @contextlib.contextmanager
+    def _chain_meter(self, source: "_ProbeInput",
+                     copies: Sequence[torch.nn.Module]) -> Iterator[Tuple[MemoryMeter, Tuple[Any, tuple, dict]]]:
+        with self._kept(source, copies, watch=True):
+            inputs = source.inputs()
+            tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+            with MemoryMeter(source.device, track=[copies, tensors], scan_gc=False) as meter:
+                yield meter, inputs
 
-
-class _Timer(_Segments):
-    """``_layer_marks``'s target in the timing call: the time of each layer's backward (from its
-    mark to the next), nothing else."""
-
-    def __init__(self, now: Callable[[], float]) -> None:
-        self.marks: List[Tuple[str, int, float]] = []
-        self._now = now
-
-    def mark(self, kind: str, layer: int) -> None:  # type: ignore[override]
-        if kind == "bwd":
-            self.marks.append((kind, layer, self._now()))
-
-    def backward_times(self, n: int) -> Dict[int, float]:
-        out = {}
-        for (_, j, t), (_, _, t_next) in zip(self.marks, self.marks[1:]):
-            out[j] = t_next - t
-        return out
+    def _op_timer(self, times: OpTimes) -> "_OpTimer":
+        return _OpTimer(times, self.key_of)
 
 
 class _OpTimer(TorchDispatchMode):
-    """Times every op call of a forward; keeps the fastest of the runs, per call."""
+    """Passes every op call through ``times`` (:class:`~hyper_parallel.planner.probing.OpTimes`)."""
 
-    def __init__(self, device: torch.device, key_of: Callable[[Any, tuple], OpKey]) -> None:
+    def __init__(self, times: OpTimes, key_of: Callable[[Any, tuple], OpKey]) -> None:
         super().__init__()
-        self.device = device
+        self.times = times
         self.key_of = key_of
-        self.now = _clock(device)
-        self.runs: List[List[Tuple[OpKey, float]]] = []
-
-    def start_run(self) -> None:
-        self.runs.append([])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        TorchProber.synchronize(self.device)
-        t0 = self.now()
-        out = func(*args, **(kwargs or {}))
-        TorchProber.synchronize(self.device)
-        self.runs[-1].append((self.key_of(func, args), self.now() - t0))
-        return out
-
-    def best(self) -> Dict[OpKey, float]:
-        out: Dict[OpKey, float] = {}
-        calls = min(len(r) for r in self.runs)
-        for i in range(calls):
-            key = self.runs[0][i][0]
-            out[key] = out.get(key, 0.0) + min(r[i][1] for r in self.runs)
-        return out
+        return self.times.call(self.key_of(func, args), lambda: func(*args, **(kwargs or {})))
 
 
 class _ProbeInput:
@@ -696,7 +393,7 @@ class _ProbeInput:
         x, rest, kwargs = inputs if inputs is not None else self.inputs()
         h = x.detach().requires_grad_(True).clone() if self.requires_grad else x
         for layer in copies:
-            h = _hidden(layer(h, *rest, **kwargs))
+            h = hidden(layer(h, *rest, **kwargs), torch.Tensor)
         if h.requires_grad:
             h.backward(torch.ones_like(h))
 
@@ -749,31 +446,3 @@ def _to_host(t: Any) -> Any:
     host = t.detach().to("cpu", copy=True)
     mark_host(host)
     return host
-
-
-def _zero_grads(layers: Sequence[torch.nn.Module]) -> None:
-    for layer in layers:  # (a function of its own: no loop variable outlives the probe's copies)
-        layer.zero_grad(set_to_none=True)
-
-
-@contextlib.contextmanager
-def _kept(source: "_ProbeInput", key_of: Callable[[Any, tuple], OpKey], watch: bool,
-          copies: Sequence[torch.nn.Module] = ()) -> Iterator[None]:
-    """A probe leaves the program as it found it: the generators (probes draw dropout masks too)
-    and every tensor outside the probe's copies that it wrote in place (a hook of the layer using
-    a module of the model, e.g. a BatchNorm's statistics). ``watch``: find those tensors with a
-    dispatch mode (for runs whose time does not count); else restore the ones found before."""
-    state = _StepState()
-    state.save_rng()
-    for t in source.outside:
-        state.keep(t)
-    recorder = _Recorder(state, key_of, _BACKEND.written_tensors) if watch else contextlib.nullcontext()
-    try:
-        with recorder:
-            yield
-    finally:
-        if watch:  # (the copies' own tensors are made afresh for every run: nothing to put back)
-            own = {_storage_key(t) for layer in copies for t in [*layer.parameters(), *layer.buffers()]}
-            found = [t for key, (t, _) in state.written.items() if key not in own]
-            source.outside = list({id(t): t for t in [*source.outside, *found]}.values())
-        state.restore()

@@ -5,9 +5,10 @@ a shared machine do to the wall clock does not count, and a step's work (its ker
 of a swap, which are memory copies there) is all CPU time. Everywhere else (an accelerator, whose
 work runs beside the host; a CPU computing on several threads) it is the wall clock.
 
-What is timed runs under :func:`no_gc`: a full collection of Python's cyclic garbage collector
-costs a large program (torch with its compiler imported) hundreds of milliseconds, and would
-land in whichever step happened to allocate past its threshold.
+What is timed runs under :func:`no_gc` (re-exported from :mod:`hyper_parallel.tools.gc_pause`,
+which imports no framework): a full collection of Python's cyclic garbage collector costs a large
+program (torch with its compiler imported) hundreds of milliseconds, and would land in whichever
+step happened to allocate past its threshold.
 
 Example::
 
@@ -20,12 +21,12 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
+
+from .gc_pause import no_gc
 
 __all__ = ["step_clock", "no_gc"]
 
@@ -36,14 +37,3 @@ def step_clock(device: Any) -> Callable[[], float]:
         return time.process_time
     return time.perf_counter
 
-
-@contextlib.contextmanager
-def no_gc() -> Iterator[None]:
-    """The cyclic garbage collector paused in the block (as ``timeit`` does); it runs again after."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

@@ -1,0 +1,571 @@
+"""The planner's profiling and probing, written once for every framework: :class:`ChainProber`.
+
+Profiling (:meth:`ChainProber.profile_step`) calls the user's ``step_fn`` twice:
+
+1. instrumented (the framework's :meth:`~ChainProber._instrumented`): under a memory meter, with
+   layer hooks cutting the step into segments (each layer's forward, the stretch after it, each
+   layer's backward, which starts when the gradient of its output is ready; :mod:`.segments`),
+   a dispatch mode recording every op of each layer's forward and saved-tensor hooks recording
+   what autograd keeps (into a :class:`LayerLog`);
+2. plain, for the step's time, with hooks that time each layer (synchronised, so that an
+   accelerator's times are its kernels') and keep one input of each kind of layer for the probes.
+
+Around both calls the framework puts back everything the step changes (its ``state``).
+
+Probing (:meth:`ChainProber.probe`) runs deep copies of one layer alone, chained through the
+layer chain as the model's layers are, on the input it received in the step: once with every
+copy left as it is and once with one copy wrapped by the option, and reads the difference at
+each segment (:class:`~hyper_parallel.planner.profile.Effect`). Four copies with the option on
+the second show how a layer affects its own forward and backward, the next layer's and later
+ones; two copies with the option on the last show the last layer's case. The time is that of
+three copies all wrapped, against three left as they are, the fastest of several runs.
+
+A framework's prober subclasses :class:`ChainProber` and implements its primitives (the
+abstract methods, listed in its docstring) and the ``Prober`` protocol's own framework methods
+(``is_layer``, ``is_stack``, ``find_layers``, ``after_wrap``). This module imports no framework.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import copy
+import gc
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import (Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence,
+                    Tuple)
+
+from hyper_parallel.core.swap_manager import SwapManager
+from hyper_parallel.core.wrapping import checkpoint_wrapper, swap_wrapper
+from hyper_parallel.tools.gc_pause import no_gc
+
+from .options import LayerOption, OpKey, option_policy
+from .profile import Effect, LayerRecord, LayerType, OpRecord, RELATIONS, Segment, StepProfile
+from .segments import BackwardTimer, Meter, PostHook, PreHook, Segments, check_layer_events, layer_marks
+
+__all__ = ["ChainProber", "ProbeSource", "LayerLog", "StepTrace", "OpTimes", "hidden", "tensors_in",
+           "fastest_seconds", "SLACK_BYTES", "PROBE_REPEATS"]
+
+#: Timed runs per measurement (a probe's chain, an op-timing forward, a copy); the fastest counts.
+PROBE_REPEATS = 3
+#: Bytes added to every relation of a wrapped layer's effect but ``after``: the small allocations
+#: of the engine and of the framework's checkpoint around a wrapped layer (random-number states,
+#: handles), a few hundred bytes that two peaks measured at different moments can miss.
+SLACK_BYTES = 4 << 10
+
+
+def hidden(out: Any, tensor_type: type) -> Any:
+    """The activation a layer passes to the next: its output, or the first element of it."""
+    if isinstance(out, tensor_type):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], tensor_type):
+        return out[0]
+    raise TypeError(f"plan_memory: a layer returned {type(out).__name__}; the planner needs a layer stack whose "
+                    "layers return the next layer's input (a tensor, or a tuple whose first item is one).")
+
+
+def tensors_in(values: Iterable[Any], tensor_type: type) -> Iterator[Any]:
+    """The tensors among ``values`` and one level of tuples / lists in them (an op's arguments)."""
+    for v in values:
+        if isinstance(v, tensor_type):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (t for t in v if isinstance(t, tensor_type))
+
+
+def fastest_seconds(run: Callable[[], Any], synchronize: Callable[[], None],
+                    now: Callable[[], float] = time.perf_counter, repeats: int = PROBE_REPEATS) -> float:
+    """The fastest of ``repeats`` runs of ``run``, each between two synchronisations."""
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize()
+        t0 = now()
+        run()
+        synchronize()
+        best = min(best, now() - t0)
+    return best
+
+
+class ProbeSource(Protocol):
+    """One layer and the input it received in the step (kept on the host between probes): what
+    a probe runs copies of. Each framework's prober makes its own (:meth:`ChainProber._probe_input`)."""
+
+    layer: Any
+    device: Any          # where the layer runs (what ``synchronize`` and ``_clock`` take)
+    outside: List[Any]   # tensors outside the layer that a run writes in place (put back by ``_kept``)
+
+    def inputs(self) -> Tuple[Any, tuple, dict]:
+        """The input on the device, ``(activation, other arguments, keyword arguments)``, made
+        afresh for every run."""
+        ...
+
+    def forward(self, layer: Any) -> Any:
+        """``layer``'s forward on fresh inputs."""
+        ...
+
+    def run(self, copies: Sequence[Any], inputs: Optional[Tuple[Any, tuple, dict]] = None) -> None:
+        """Forward through the chain of ``copies`` and backward from its end, as the step does."""
+        ...
+
+
+class LayerLog:
+    """What the instrumented call of the step records per layer: its input (bytes, the shapes of
+    its tensor arguments, whether it is the previous layer's output, whether the program still
+    holds it when the next layer ends), the op calls of its forward, and the storages autograd
+    saved in it. The layer hooks call :meth:`on_pre` / :meth:`on_post`, the framework's dispatch
+    mode :meth:`op` and :meth:`forget`, its saved-tensor hook :meth:`save`. Storages are named by
+    whatever key the framework gives them (its storage identity)."""
+
+    def __init__(self, tensor_type: type, storage_bytes: Callable[[Any], int]) -> None:
+        self._tensor_type = tensor_type
+        self._storage_bytes = storage_bytes
+        self.layer: Optional[int] = None  # the layer whose forward runs now
+        self.ops: Dict[int, List[OpRecord]] = {}
+        self.saved: Dict[int, Dict[Any, int]] = {}  # layer -> storage -> bytes
+        # storage -> the layer and op record that made it (a storage's key can be reused once it
+        # died: the framework forgets it then)
+        self.made_by: Dict[Any, Tuple[int, OpRecord]] = {}
+        self.inputs: Dict[int, int] = {}          # layer -> bytes of its input activation
+        self.arg_shapes: Dict[int, tuple] = {}    # layer -> (shape, dtype) of its tensor arguments
+        self.flows: List[bool] = []               # per layer: its input is the previous layer's output
+        self.held: List[int] = []                 # layers whose input outlived the next layer
+        self._outputs: Dict[int, int] = {}        # layer -> id of its output activation
+        self._given: Dict[int, Any] = {}          # layer -> a weak reference to its input
+
+    # -- the layer hooks
+    def on_pre(self, j: int, args: tuple, kwargs: dict) -> None:
+        self.layer = j
+        self.arg_shapes[j] = tuple((tuple(t.shape), str(t.dtype)) for t in tensors_in(args, self._tensor_type))
+        x = args[0] if args and isinstance(args[0], self._tensor_type) else None
+        if x is not None:
+            self._given[j] = weakref.ref(x)
+        self.inputs[j] = self._storage_bytes(x) if x is not None else 0
+        self.flows.append(x is not None and self._outputs.get(j - 1) == id(x))
+
+    def on_post(self, j: int, out: Any) -> None:
+        self.layer = None
+        self._outputs[j] = id(hidden(out, self._tensor_type))
+        # (autograd keeps aliases of what it saves: the input object itself outlives the next
+        # layer only where the program holds it)
+        earlier = self._given.pop(j - 1, None)
+        if earlier is not None and earlier() is not None:
+            self.held.append(j - 1)
+
+    # -- the dispatch mode and the saved-tensor hook
+    def op(self, key: OpKey, new_bytes: int, mutating: bool, expensive: bool, made: Iterable[Any]) -> None:
+        """An op call of the running layer's forward, which made the storages ``made``."""
+        if self.layer is None:
+            return
+        record = OpRecord(key, new_bytes, False, mutating, expensive)
+        self.ops.setdefault(self.layer, []).append(record)
+        for storage in made:
+            self.made_by[storage] = (self.layer, record)
+
+    def forget(self, storage: Any) -> None:
+        """``storage`` died (its key may name another one from now on)."""
+        self.made_by.pop(storage, None)
+
+    def save(self, storage: Any, nbytes: int) -> None:
+        """Autograd saved a tensor of ``storage`` (``nbytes``) in the running layer's forward."""
+        if self.layer is None:
+            return
+        made = self.made_by.get(storage)
+        if made is not None and made[0] == self.layer:  # (saved by the layer that made it)
+            made[1].saved = True
+        self.saved.setdefault(self.layer, {})[storage] = nbytes
+
+
+@dataclass
+class StepTrace:
+    """What the instrumented call of the step found (the framework's ``_instrumented``)."""
+
+    segments: List[Segment]  # absolute bytes, as the budget counts them
+    log: LayerLog
+    baseline_bytes: int
+    peak_bytes: int
+    param_bytes: int         # the layers' parameters
+    grad_bytes: int          # the gradients of the parameters the step reached
+    #: what the step changes, put back after the call: ``state.again()`` snapshots the same tensors
+    #: now, for the timing call (an object with ``again``, ``save_rng`` and ``restore``)
+    state: Any
+    notes: List[str] = field(default_factory=list)
+
+
+class OpTimes:
+    """The time of every op call of a forward over several runs; per call, the fastest run. The
+    framework's op-timing dispatch mode (:meth:`ChainProber._op_timer`) passes each call through
+    :meth:`call`."""
+
+    def __init__(self, now: Callable[[], float], synchronize: Callable[[], None]) -> None:
+        self._now = now
+        self._synchronize = synchronize
+        self.runs: List[List[Tuple[OpKey, float]]] = []
+
+    def start_run(self) -> None:
+        self.runs.append([])
+
+    def call(self, key: OpKey, run: Callable[[], Any]) -> Any:
+        """``run()`` (one op call, ``key``) between two synchronisations, timed; its result."""
+        self._synchronize()
+        t0 = self._now()
+        out = run()
+        self._synchronize()
+        self.runs[-1].append((key, self._now() - t0))
+        return out
+
+    def best(self) -> Dict[OpKey, float]:
+        out: Dict[OpKey, float] = {}
+        calls = min(len(r) for r in self.runs)
+        for i in range(calls):
+            key = self.runs[0][i][0]
+            out[key] = out.get(key, 0.0) + min(r[i][1] for r in self.runs)
+        return out
+
+
+class ChainProber(abc.ABC):
+    """Profiling and probing (see the module docstring) on a framework's primitives.
+
+    A subclass sets ``name`` and ``tensor_type`` (the framework's tensor class) and implements:
+
+    - names and sizes: :meth:`key_of`, :meth:`nbytes` (the ``Prober`` protocol's);
+      :meth:`_storage_bytes`, :meth:`_named_parameters`;
+    - devices and time: :meth:`_device_of`, :meth:`synchronize`, :meth:`_clock`,
+      :meth:`_timing_mode`, :meth:`_no_grad`;
+    - autograd: :meth:`_in_backward`, :meth:`_grad_outputs`, :meth:`_clear_grads`;
+    - the step: :meth:`_instrumented` (call 1 of profiling), :meth:`_probe_input`,
+      :meth:`_copy_bytes_per_s`, :meth:`_copies_overlap`;
+    - probes: :meth:`_kept`, :meth:`_chain_meter`, :meth:`_op_timer`.
+    """
+
+    #: the framework's name (``"torch"``, ``"mindspore"``), stored in plans
+    name: str
+    #: the framework's tensor class
+    tensor_type: type
+    #: how to write a step in the framework, appended to the error for a step that runs the
+    #: layers out of order
+    step_hint: str = ""
+
+    # ------------------------------------------------------------------ primitives: names and sizes
+    @abc.abstractmethod
+    def key_of(self, op: Any, args: Tuple[Any, ...]) -> OpKey:
+        """An op call's :class:`OpKey` (what generated policies look up)."""
+
+    @abc.abstractmethod
+    def nbytes(self, t: Any) -> int:
+        """Bytes of the storage a saved tensor views (what a swap moves)."""
+
+    @abc.abstractmethod
+    def _storage_bytes(self, t: Any) -> int:
+        """Bytes of the storage of a layer's input tensor (cheap; 0 for one without memory)."""
+
+    @abc.abstractmethod
+    def _named_parameters(self, layer: Any) -> Iterable[Tuple[str, Any]]:
+        """``(name, parameter)`` of every parameter of ``layer``."""
+
+    # ------------------------------------------------------------------ primitives: devices and time
+    @abc.abstractmethod
+    def _device_of(self, layers: Sequence[Any]) -> Any:
+        """Where ``layers`` run (passed to ``synchronize`` and ``_clock``; its ``str`` is the
+        profile's device)."""
+
+    @abc.abstractmethod
+    def synchronize(self, device: Any) -> None:
+        """Wait for every kernel launched on ``device``."""
+
+    @abc.abstractmethod
+    def _clock(self, device: Any) -> Callable[[], float]:
+        """The clock steps, probes and ops are timed with on ``device``."""
+
+    @abc.abstractmethod
+    def _timing_mode(self) -> ContextManager[Any]:
+        """What every timed run of a whole forward + backward runs under (nothing, or what keeps
+        the program's state from being drawn on)."""
+
+    @abc.abstractmethod
+    def _no_grad(self) -> ContextManager[Any]:
+        """Autograd records nothing in the block."""
+
+    # ------------------------------------------------------------------ primitives: autograd
+    @abc.abstractmethod
+    def _in_backward(self) -> bool:
+        """Whether autograd runs a backward now (a recomputation's forward is no new forward)."""
+
+    @abc.abstractmethod
+    def _grad_outputs(self, out: Any) -> Iterable[Any]:
+        """The tensors of a layer's output that require a gradient (hooked for its backward)."""
+
+    @abc.abstractmethod
+    def _clear_grads(self, layers: Sequence[Any]) -> None:
+        """Drop the gradients a run left on ``layers``' parameters (where the framework keeps them)."""
+
+    # ------------------------------------------------------------------ primitives: the step
+    @abc.abstractmethod
+    def _instrumented(self, layers: Sequence[Any], step_fn: Callable[[], Any], device: Any) -> StepTrace:
+        """Call 1 of profiling: one ``step_fn()`` under the framework's meter, dispatch mode and
+        saved-tensor hooks, its segments cut by :meth:`_segmented` with a :class:`LayerLog`'s
+        hooks; everything it changed put back."""
+
+    @abc.abstractmethod
+    def _probe_input(self, layer: Any, args: tuple, kwargs: dict) -> ProbeSource:
+        """``layer`` and a host copy of the input it receives now (made in its forward pre-hook)."""
+
+    @abc.abstractmethod
+    def _copy_bytes_per_s(self, device: Any) -> float:
+        """Bytes per second of one direction of a host <-> device copy."""
+
+    @abc.abstractmethod
+    def _copies_overlap(self, device: Any) -> bool:
+        """Whether copies run beside compute on ``device`` (on a copy stream)."""
+
+    # ------------------------------------------------------------------ primitives: probes
+    @abc.abstractmethod
+    def _kept(self, source: ProbeSource, copies: Sequence[Any], watch: bool) -> ContextManager[Any]:
+        """A probe run leaves the program as it found it: the generators and ``source.outside``
+        are put back after the block. ``watch``: also find the tensors outside ``copies`` that the
+        block writes in place and add them to ``source.outside`` (untimed runs only)."""
+
+    @abc.abstractmethod
+    def _chain_meter(self, source: ProbeSource, copies: Sequence[Any]) -> ContextManager[Tuple[Meter, Any]]:
+        """A memory run of a chain of ``copies``: kept and watched as ``_kept(source, copies,
+        True)``; yields the meter to cut into segments and the inputs to run on."""
+
+    @abc.abstractmethod
+    def _op_timer(self, times: OpTimes) -> ContextManager[Any]:
+        """A dispatch mode passing every op call through ``times.call``."""
+
+    # ------------------------------------------------------------------ wrapping
+    def wrap(self, layer: Any, option: LayerOption, seen: Sequence[OpKey]) -> Any:
+        """Wrap ``layer`` in place for ``option`` through the public API; the generated policy."""
+        policy = option_policy(option, seen, self.key_of, self.nbytes)
+        if option.kind == "swap":
+            swap_wrapper(layer, policy_fn=policy)
+        elif option.kind == "checkpoint":
+            checkpoint_wrapper(layer, policy_fn=policy, swap_inputs=option.swap_inputs)
+        return policy
+
+    # ------------------------------------------------------------------ segments
+    def _layer_marks(self, layers: Sequence[Any], target: Any, on_pre: Optional[PreHook] = None,
+                     on_post: Optional[PostHook] = None) -> List[Any]:
+        return layer_marks(layers, target, self._in_backward, self._grad_outputs, on_pre, on_post)
+
+    def _segmented(self, layers: Sequence[Any], meter: Meter, run: Callable[[], Any],
+                   on_pre: Optional[PreHook] = None, on_post: Optional[PostHook] = None) -> List[Segment]:
+        """``run()`` cut into segments of ``meter``'s timeline at ``layers``' boundaries."""
+        segments = Segments(meter)
+        handles = self._layer_marks(layers, segments, on_pre, on_post)
+        try:
+            segments.mark("pre", -1)
+            run()
+            segments.close()
+        finally:
+            for h in handles:
+                h.remove()
+        return segments.segments
+
+    def _layer_log(self) -> LayerLog:
+        """A fresh :class:`LayerLog` for call 1 (its hooks go to :meth:`_segmented`)."""
+        return LayerLog(self.tensor_type, self._storage_bytes)
+
+    # ------------------------------------------------------------------ profiling the step
+    def profile_step(self, layers: Sequence[Any], step_fn: Callable[[], Any]) -> StepProfile:
+        """The step's profile (``Prober.profile_step``; see the module docstring)."""
+        device = self._device_of(layers)
+        n = len(layers)
+        # Call 1: the memory timeline, every layer's ops and saved storages.
+        trace = self._instrumented(layers, step_fn, device)
+        check_layer_events(trace.segments, n, self.step_hint)
+        log = trace.log
+        records = []
+        for j in range(n):
+            sizes = sorted(log.saved.get(j, {}).values(), reverse=True)
+            records.append(LayerRecord(j, "", log.ops.get(j, []), sizes, log.inputs.get(j, 0),
+                                       input_held=j in log.held))
+        types = self._layer_types(layers, records, log.arg_shapes)
+        # Call 2: the plain step's time and each layer's; an input of every layer kept for probes.
+        step_s = self._timed_call(layers, step_fn, device, records, types, trace.state)
+        notes = list(trace.notes)
+        if not all(log.flows[1:]):
+            notes.append("a layer's input is not the previous layer's output: the probes chain the layers anyway")
+        return StepProfile(
+            device=str(device), segments=trace.segments, layers=records, types=types,
+            baseline_bytes=trace.baseline_bytes, peak_bytes=trace.peak_bytes, step_s=step_s,
+            param_bytes=max(trace.param_bytes, trace.grad_bytes), grad_bytes=trace.grad_bytes,
+            copy_bytes_per_s=self._copy_bytes_per_s(device), overlaps=self._copies_overlap(device), notes=notes)
+
+    def _timed_call(self, layers: Sequence[Any], step_fn: Callable[[], Any], device: Any,
+                    records: List[LayerRecord], types: Dict[str, LayerType], state: Any) -> float:
+        """Call 2 of profiling: the plain step's seconds. Sets each record's forward and backward
+        seconds, and the probe input of each type (its first layer's, copied when it runs: a cache
+        the step fills up later must not be in it); the copies' time is not the step's."""
+        first = {t.layers[0]: t for t in types.values()}
+        now = self._clock(device)
+        started: Dict[int, float] = {}
+        copying = [0.0]
+
+        def timed_pre(j: int, args: tuple, kwargs: dict) -> None:
+            self.synchronize(device)
+            if j in first:
+                t = now()
+                first[j].probe_inputs = self._probe_input(layers[j], args, kwargs)
+                self.synchronize(device)
+                copying[0] += now() - t
+            started[j] = now()
+
+        def timed_post(j: int, out: Any) -> None:
+            self.synchronize(device)
+            records[j].forward_s = now() - started[j]
+
+        second = state.again()
+        second.save_rng()
+        timer = BackwardTimer(now, lambda: self.synchronize(device))
+        handles = self._layer_marks(layers, timer, timed_pre, timed_post)
+        try:
+            with self._timing_mode(), no_gc():
+                self.synchronize(device)
+                t0 = now()
+                step_fn()
+                self.synchronize(device)
+                step_s = now() - t0 - copying[0]
+        finally:
+            for h in handles:
+                h.remove()
+            second.restore()
+        for j, seconds in timer.backward_times().items():
+            records[j].backward_s = seconds
+        return step_s
+
+    def _layer_types(self, layers: Sequence[Any], records: List[LayerRecord],
+                     arg_shapes: Dict[int, tuple]) -> Dict[str, LayerType]:
+        """Group the layers whose profiles agree (class, parameter shapes, input shapes, ops,
+        saved storages) into :class:`LayerType` s (without their probe inputs yet)."""
+        types: Dict[str, LayerType] = {}
+        signatures: Dict[Any, str] = {}
+        for j, (layer, record) in enumerate(zip(layers, records)):
+            signature = (type(layer).__qualname__,
+                         tuple((n, tuple(p.shape), str(p.dtype)) for n, p in self._named_parameters(layer)),
+                         arg_shapes.get(j), tuple((r.key, r.new_bytes, r.saved) for r in record.ops),
+                         tuple(record.saved_sizes))
+            key = signatures.get(signature)
+            if key is None:
+                key = signatures[signature] = f"{type(layer).__name__}#{len(signatures)}"
+                types[key] = LayerType(key, [], record)
+            types[key].layers.append(j)
+            record.type_key = key
+        return types
+
+    # ------------------------------------------------------------------ probing one layer type
+    def probe(self, ltype: LayerType, option: LayerOption, seen: Sequence[OpKey],
+              reference: Optional[Dict[str, Any]] = None) -> Tuple[Effect, Dict[str, Any]]:
+        """Measure ``option`` on copies of ``ltype``'s layer (see the module docstring). Returns
+        its :class:`Effect` and the reference runs (every copy left as it is), which the caller
+        passes back for the type's other options."""
+        source: ProbeSource = ltype.probe_inputs
+        if reference is None:
+            reference = {"middle": self._chain_memory(source, [None] * 4, seen),
+                         "last": self._chain_memory(source, [None] * 2, seen),
+                         "time": self._chain_time(source, None, seen)}
+        middle = self._chain_memory(source, [None, option, None, None], seen)  # a layer amid the stack
+        last = self._chain_memory(source, [None, option], seen)  # the last layer
+        effect = _chain_effect({k: middle[k] - reference["middle"][k] for k in middle},
+                               {k: last[k] - reference["last"][k] for k in last})
+        # Every option adds work to the layer (recompute, copies, bookkeeping): a run measured faster
+        # than the plain layer is timing noise, and counts as free.
+        seconds = max(0.0, (self._chain_time(source, option, seen) - reference["time"]) / 3)
+        return Effect(effect, seconds, measured=True), reference
+
+    def _copies(self, source: ProbeSource, options: Sequence[Optional[LayerOption]],
+                seen: Sequence[OpKey]) -> List[Any]:
+        """Deep copies of ``source``'s layer, one per option (``None``: left as it is), wrapped and
+        chained through the layer chain."""
+        copies = [copy.deepcopy(source.layer) for _ in options]
+        for i, option in enumerate(options):
+            if option is not None:
+                self.wrap(copies[i], option, seen)
+        for i in range(len(copies) - 1):
+            SwapManager().set_forward_prefetch_layer(copies[i], copies[i + 1])
+        return copies
+
+    @staticmethod
+    def _forget(copies: List[Any]) -> None:
+        """Drop the probe's layer-chain groups (their layers die with the probe)."""
+        manager = SwapManager()
+        names = [manager.layer_group_name(layer) for layer in copies]
+        copies.clear()  # (the copies die here: nothing else refers to them)
+        for name in names:
+            if name is not None:
+                try:
+                    manager.discard_group(name)
+                except ValueError:  # a copy is still alive (a cycle): collect it, then drop its group
+                    gc.collect()
+                    with contextlib.suppress(ValueError):  # (alive still: an error on its way out holds it)
+                        manager.discard_group(name)
+
+    def _chain_memory(self, source: ProbeSource, options: Sequence[Optional[LayerOption]],
+                      seen: Sequence[OpKey]) -> Dict[str, int]:
+        """Segment peaks (by name) of one forward + backward of a chain of copies."""
+        copies = self._copies(source, options, seen)
+        try:
+            with self._chain_meter(source, copies) as (meter, inputs):
+                # (no warm-up run: host buffers are never device memory, and the step ran already,
+                # so one-off device allocations such as a BLAS workspace are made)
+                segments = self._segmented(copies, meter, lambda: source.run(copies, inputs))
+        finally:
+            self._forget(copies)
+        return {s.name: s.peak for s in segments}
+
+    def _chain_time(self, source: ProbeSource, option: Optional[LayerOption], seen: Sequence[OpKey]) -> float:
+        """Seconds of one forward + backward of three copies, all wrapped by ``option`` (the
+        fastest of several runs, each on fresh inputs, after one untimed run)."""
+        copies = self._copies(source, [option] * 3, seen)
+        now = self._clock(source.device)
+        best = float("inf")
+        try:
+            with self._kept(source, copies, watch=False), self._timing_mode():
+                source.run(copies)
+                for _ in range(PROBE_REPEATS):
+                    self._clear_grads(copies)
+                    inputs = source.inputs()
+                    self.synchronize(source.device)
+                    with no_gc():
+                        t0 = now()
+                        source.run(copies, inputs)
+                        self.synchronize(source.device)
+                        best = min(best, now() - t0)
+        finally:
+            self._forget(copies)
+        return best
+
+    def op_seconds(self, ltype: LayerType) -> Dict[OpKey, float]:
+        """Forward seconds of each op kind of ``ltype``'s layer (the sum over its calls; the
+        fastest of several runs of a copy), what recomputing it costs."""
+        source: ProbeSource = ltype.probe_inputs
+        layer = copy.deepcopy(source.layer)
+        times = OpTimes(self._clock(source.device), lambda: self.synchronize(source.device))
+        with self._no_grad():
+            with self._kept(source, [layer], watch=True):  # (an untimed run finds what it writes outside)
+                source.forward(layer)
+            for _ in range(PROBE_REPEATS):
+                times.start_run()
+                with self._kept(source, [layer], watch=False), no_gc(), self._op_timer(times):
+                    source.forward(layer)
+        return times.best()
+
+
+def _chain_effect(middle: Dict[str, int], last: Dict[str, int]) -> Dict[str, int]:
+    """An option's bytes per relation (``profile.RELATIONS``) from the differences it made to the
+    segment peaks of the middle chain (on the second of four copies) and of the last chain (on
+    the last of two), with :data:`SLACK_BYTES` on every relation but ``after``."""
+    old = max(middle["gap 2"], middle["fwd 3"], middle["gap 3"], middle["bwd 3"])
+    effect = {
+        "own_fwd": middle["fwd 1"], "own_gap": middle["gap 1"], "fwd_age1": middle["fwd 2"], "old": old,
+        "bwd_prev": middle["bwd 2"], "own_bwd": middle["bwd 1"],
+        "after": max(middle["bwd 0"], last["bwd 0"]),
+        "last_fwd": last["fwd 1"], "last_head": last["gap 1"], "last_bwd": last["bwd 1"],
+    }
+    assert set(effect) == set(RELATIONS)
+    for relation in RELATIONS:  # what a wrapped layer keeps that a difference of peaks can miss
+        if relation != "after":
+            effect[relation] += SLACK_BYTES
+    return effect

@@ -1,0 +1,140 @@
+"""A step's timeline cut at layer boundaries, for every framework's prober.
+
+Hooks on the layers mark each layer's forward (a forward pre-hook), the stretch after it (a
+forward hook) and its backward, which starts when the gradient of the layer's output is ready (a
+gradient hook on that output). :class:`Segments` turns the marks into
+:class:`~hyper_parallel.planner.profile.Segment` s of a memory meter's timeline,
+:class:`BackwardTimer` times each layer's backward from the same marks, and
+:func:`check_layer_events` refuses a step whose marks are not one forward per layer, in order,
+then the backward through all of them.
+
+What differs between frameworks is handed to :func:`layer_marks` as two functions: whether
+autograd runs a backward now (a recomputation's forward is not a new forward) and which of a
+layer's output tensors require a gradient. The hook calls themselves
+(``register_forward_pre_hook(hook, with_kwargs=True)``, ``register_forward_hook``,
+``Tensor.register_hook``) are named alike in PyTorch and MindSpore. This module imports neither.
+
+Example (with stand-ins for a meter and layers)::
+
+    >>> class Meter:
+    ...     current_bytes = 0
+    ...     def reset_peak(self): return self.current_bytes
+    >>> meter = Meter(); segments = Segments(meter)
+    >>> segments.mark("pre", -1); meter.current_bytes = 10; segments.mark("fwd", 0); segments.close()
+    >>> [(s.name, s.start, s.peak) for s in segments.segments]
+    [('pre', 0, 10), ('fwd 0', 10, 10)]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple
+
+from .profile import Segment
+
+__all__ = ["Meter", "PreHook", "PostHook", "Segments", "BackwardTimer", "layer_marks", "check_layer_events"]
+
+#: ``on_pre(layer index, args, kwargs)``: called at a layer's forward start, after its mark.
+PreHook = Callable[[int, tuple, dict], None]
+#: ``on_post(layer index, output)``: called at a layer's forward end, before its mark.
+PostHook = Callable[[int, Any], None]
+
+
+class Meter(Protocol):
+    """What :class:`Segments` reads of a memory meter (each framework's meters have it)."""
+
+    current_bytes: int
+
+    def reset_peak(self) -> int:
+        """The peak since the last call; a new window starts at the bytes live now."""
+        ...
+
+
+class Segments:
+    """Cuts a region measured by ``meter`` into :class:`Segment` s, at marks: each segment starts
+    at the bytes live at its mark and peaks at the worst moment before the next mark."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.meter = meter
+        self.segments: List[Segment] = []
+
+    def mark(self, kind: str, layer: int) -> None:
+        peak = self.meter.reset_peak()
+        if self.segments:
+            self.segments[-1].peak = max(self.segments[-1].start, peak)
+        start = self.meter.current_bytes
+        self.segments.append(Segment(kind, layer, start, start))
+
+    def close(self) -> None:
+        """End the last segment (at the end of the measured region)."""
+        self.mark("end", -1)
+        self.segments.pop()
+
+
+class BackwardTimer:
+    """:func:`layer_marks`'s target in the timing call of the step: the seconds of each layer's
+    backward, from its mark to the next one (the last layer to run its backward, the first of the
+    stack, has no next mark and is not timed). ``synchronize`` waits for the device's queued work
+    before each reading, so that an accelerator's time is the kernels', not their launches'."""
+
+    def __init__(self, now: Callable[[], float], synchronize: Callable[[], None]) -> None:
+        self.marks: List[Tuple[int, float]] = []
+        self._now = now
+        self._synchronize = synchronize
+
+    def mark(self, kind: str, layer: int) -> None:
+        if kind == "bwd":
+            self._synchronize()
+            self.marks.append((layer, self._now()))
+
+    def backward_times(self) -> Dict[int, float]:
+        return {j: t_next - t for (j, t), (_, t_next) in zip(self.marks, self.marks[1:])}
+
+
+def layer_marks(layers: Sequence[Any], target: Any, in_backward: Callable[[], bool],
+                grad_outputs: Callable[[Any], Iterable[Any]], on_pre: Optional[PreHook] = None,
+                on_post: Optional[PostHook] = None) -> List[Any]:
+    """Hooks on ``layers`` calling ``target.mark(kind, index)`` at each layer's forward
+    (``"fwd"``), the stretch after it (``"gap"``) and its backward (``"bwd"``: when the gradient of
+    one of its outputs that ``grad_outputs`` names is ready; once). Returns the removable handles."""
+    handles = []
+    for j, layer in enumerate(layers):
+        def pre(module: Any, args: tuple, kwargs: dict, j: int = j) -> None:
+            if in_backward():  # (a recomputation: not a new forward)
+                return
+            target.mark("fwd", j)
+            if on_pre is not None:
+                on_pre(j, args, kwargs)
+
+        def post(module: Any, args: tuple, kwargs: dict, out: Any, j: int = j) -> None:
+            if in_backward():
+                return
+            if on_post is not None:
+                on_post(j, out)
+            target.mark("gap", j)
+            fired = [False]
+
+            def on_grad(grad: Any) -> None:
+                if not fired[0]:
+                    fired[0] = True
+                    target.mark("bwd", j)
+
+            for t in grad_outputs(out):
+                t.register_hook(on_grad)
+
+        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(layer.register_forward_hook(post, with_kwargs=True))
+    return handles
+
+
+def check_layer_events(segments: Sequence[Segment], n: int, hint: str = "") -> None:
+    """Refuse (``RuntimeError``) a step whose segments are not ``pre``, each layer's ``fwd`` and
+    ``gap`` in order, then each layer's ``bwd`` from the last to the first. ``hint``: how to write
+    the step in the framework at hand, appended to the message."""
+    kinds = [(s.kind, s.layer) for s in segments]
+    expected = [("pre", -1)] + [(k, j) for j in range(n) for k in ("fwd", "gap")] + \
+               [("bwd", j) for j in range(n - 1, -1, -1)]
+    if kinds != expected:
+        raise RuntimeError(
+            "plan_memory: step_fn must run every layer's forward once, in order, then the backward "
+            f"through all of them (got the layer events {[f'{k} {j}' for k, j in kinds[:12]]}...). Pass the "
+            f"model's layer stack in the order its forward calls it, and a step_fn doing one forward + backward{hint}.")

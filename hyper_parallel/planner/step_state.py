@@ -1,0 +1,69 @@
+"""What a step (or a probe run) changes, put back afterwards: :class:`StepState`, once for every
+framework's prober.
+
+Profiling calls the user's step twice and every probe runs copies of a layer; none of it may
+change the program: every tensor that existed before the run and that it writes in place
+(BatchNorm statistics, a gradient accumulator, a tensor outside the layer that a hook writes) is
+copied to the host before the first write, once per storage, and copied back afterwards, and the
+random number generators are put back. A framework's prober says how (the abstract methods);
+this module imports no framework.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+__all__ = ["StepState"]
+
+
+class StepState(abc.ABC):
+    """The host copies of the tensors a run writes (``written``: storage -> (tensor, host copy))
+    and the generators' state, put back by :meth:`restore`."""
+
+    def __init__(self) -> None:
+        self.written: Dict[Any, Tuple[Any, Any]] = {}
+        self._rng: Any = None
+
+    # -- what a framework implements
+    @abc.abstractmethod
+    def _storage_of(self, t: Any) -> Optional[Any]:
+        """The identity of ``t``'s storage (``None``: no memory to keep)."""
+
+    @abc.abstractmethod
+    def _host_copy(self, t: Any) -> Any:
+        """A copy of ``t``'s values on the host (never counted as device memory)."""
+
+    @abc.abstractmethod
+    def _write_back(self, written: Iterable[Tuple[Any, Any]]) -> None:
+        """Copy every ``(tensor, host copy)`` back into its tensor, unseen by autograd."""
+
+    @abc.abstractmethod
+    def _rng_state(self) -> Any:
+        """The generators' state now (``None``: none to put back)."""
+
+    @abc.abstractmethod
+    def _set_rng_state(self, state: Any) -> None:
+        """Put the generators back to ``state``."""
+
+    # -- the algorithm
+    def keep(self, t: Any) -> None:
+        """Copy ``t`` to the host before the run writes it (once per storage)."""
+        key = self._storage_of(t)
+        if key is not None and key not in self.written:
+            self.written[key] = (t, self._host_copy(t))
+
+    def save_rng(self) -> None:
+        self._rng = self._rng_state()
+
+    def again(self) -> "StepState":
+        """A state that snapshots the same tensors now, for another call of the step."""
+        other = type(self)()
+        for t, _ in self.written.values():
+            other.keep(t)
+        return other
+
+    def restore(self) -> None:
+        self._write_back(self.written.values())
+        if self._rng is not None:
+            self._set_rng_state(self._rng)
