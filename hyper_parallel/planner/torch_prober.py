@@ -35,9 +35,10 @@ import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves, tree_map
 
+from hyper_parallel.backends.torch._shim import is_sharded, unsharded_copy
 from hyper_parallel.backends.torch.backend import TorchBackend
 from hyper_parallel.core.swap_manager import SwapManager
 from hyper_parallel.core.wrapping import checkpoint_wrapper, swap_wrapper
@@ -148,6 +149,14 @@ def _layer_marks(layers: Sequence[torch.nn.Module], segments: _Segments,
     return handles
 
 
+def _backed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds all of ``t`` (an owner may have resized it to zero bytes)."""
+    if t.numel() == 0:
+        return True
+    extent = t.storage_offset() + 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() >= extent * t.element_size()
+
+
 class _StepState:
     """What a step changes, put back afterwards (see the module docstring)."""
 
@@ -164,9 +173,11 @@ class _StepState:
                 self.keep(grad)
 
     def keep(self, t: torch.Tensor) -> None:
-        """Copy ``t`` to the host before the step writes it (once per storage)."""
+        """Copy ``t`` to the host before the step writes it (once per storage). A tensor whose
+        storage its owner has freed (FSDP2 resizes its all-gather buffers to zero bytes between
+        uses) holds nothing to put back: it is skipped."""
         key = _storage_key(t)
-        if key not in self.written:
+        if key not in self.written and _backed(t):
             host = t.detach().to("cpu", copy=True)
             mark_host(host)  # (never counted as device memory by a CPU meter)
             self.written[key] = (t, host)
@@ -188,7 +199,8 @@ class _StepState:
     def restore(self) -> None:
         with torch.no_grad():
             for t, host in self.written.values():
-                t.copy_(host)
+                if _backed(t):  # (freed by its owner meanwhile, FSDP2's resharding: its content is the owner's)
+                    t.copy_(host)
         for leaf, grad in self.leaves.values():
             leaf.grad = grad
         if self._rng is not None:
@@ -342,6 +354,8 @@ class TorchProber:
         # Call 1: the memory timeline, every layer's ops and saved storages.
         state = _StepState()
         state.save_rng()
+        for p in _parameters():  # (FSDP2 sets its sharded parameters' .grad itself: no op of the step names them)
+            state.see_leaf(p)
         recorder = _Recorder(state, self.key_of, self._backend.written_tensors)
         saved: Dict[int, Dict[int, int]] = {}  # layer -> storage -> bytes
         inputs: Dict[int, int] = {}
@@ -422,7 +436,9 @@ class TorchProber:
 
         def timed_pre(j: int, args: tuple, kwargs: dict) -> None:
             if j in first:  # the input a probe of its type runs on, copied now (a cache fills up later)
-                first[j].probe_inputs = _ProbeInput(layers[j], args, kwargs)
+                t0 = now()
+                first[j].probe_inputs = _ProbeInput(layers[j], args, kwargs, handles)
+                clock["copies"] = clock.get("copies", 0.0) + now() - t0  # (not the step's time)
             clock["f"] = now()
 
         def timed_post(j: int, out: Any) -> None:
@@ -438,7 +454,7 @@ class TorchProber:
                 t0 = now()
                 step_fn()
                 self.synchronize(device)
-                step_s = now() - t0
+                step_s = now() - t0 - clock.get("copies", 0.0)
         finally:
             for h in handles:
                 h.remove()
@@ -448,7 +464,8 @@ class TorchProber:
         for j, record in enumerate(records):
             record.forward_s, record.backward_s = times[j]
             record.input_held = j in held
-        params = {_storage_key(p): p.untyped_storage().nbytes() for layer in [*layers] for p in layer.parameters()}
+        params = {_storage_key(t): t.untyped_storage().nbytes() for layer in layers for p in layer.parameters()
+                  for t in _local_tensors(p)}
         param_bytes = sum(params.values())
         before = -unrelated
         for segment in segments.segments:
@@ -669,8 +686,11 @@ class _ProbeInput:
     """One layer and the input it received in the step: what a probe runs copies of. The input's
     tensors are kept as host copies (never device memory, for a CPU meter either) between probes."""
 
-    def __init__(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        self.layer = layer
+    def __init__(self, layer: torch.nn.Module, args: tuple, kwargs: dict, hooks: Sequence[Any] = ()) -> None:
+        # Made inside the layer's forward: an FSDP2-sharded layer holds its unsharded parameters
+        # now, and the probes run copies of it as a plain module on them (no collective), without
+        # the profile's ``hooks`` (their handles remove them from the layer, not from a copy).
+        self.layer = unsharded_copy(layer, [h.id for h in hooks]) if is_sharded(layer) else layer
         self.outside: List[torch.Tensor] = []  # tensors outside the layer a run writes in place
         x = args[0]
         self.device = x.device
@@ -701,6 +721,26 @@ class _ProbeInput:
             h.backward(torch.ones_like(h))
 
 
+def _local_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors holding ``t``'s data: itself, or a wrapper subclass's inner tensors (FSDP2's
+    DTensor parameters hold their local shard)."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _local_tensors(inner)
+    else:
+        yield t
+
+
+def _parameters() -> List[torch.nn.Parameter]:
+    """Every parameter alive in the process (``type`` first: ``isinstance`` on an arbitrary object
+    may evaluate a ``__class__`` property, and some warn)."""
+    tensor_type = torch.Tensor
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), tensor_type) and isinstance(obj, torch.nn.Parameter)]
+
+
 def _unrelated_bytes(recorder: _Recorder) -> int:
     """Bytes of the CPU storages alive after the step that it neither made nor reached (another
     model in the process, a data set kept as tensors): they lived through the whole step, which
@@ -712,7 +752,7 @@ def _unrelated_bytes(recorder: _Recorder) -> int:
     try:
         for obj in objs:
             if not issubclass(type(obj), tensor_type) or obj.device.type != "cpu" or obj.layout is not torch.strided \
-                    or obj.is_meta:
+                    or obj.is_meta or is_traceable_wrapper_subclass(obj):
                 continue
             storage = obj.untyped_storage()
             key = _storage_key(obj)

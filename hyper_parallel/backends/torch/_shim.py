@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from typing import Any, List, Sequence, Set, Tuple
 
 __all__ = ["storage_key", "storage_keys", "version", "storage_use_count", "in_backward", "detach_keeping_version",
-           "pipeline_stages", "drop_pipeline_losses", "trace_range", "fsdp_module_class",
+           "pipeline_stages", "drop_pipeline_losses", "trace_range", "fsdp_module_class", "is_sharded", "unsharded_copy",
            "innermost_saved_tensors_hooks", "functional_collective", "is_compiled_module", "pinned_alloc_size",
            "empty_host_cache", "saved_identity"]
 
@@ -112,6 +113,56 @@ def fsdp_module_class() -> Any:
     here would cost every process seconds (it pulls in DTensor and sympy)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+
+
+#: FSDP2 keeps a sharded module's state (its ``FSDPState``, the composable-API registry) in
+#: ``module.__dict__`` under keys of this prefix (``torch.distributed._composable.contract``).
+_COMPOSABLE_STATE_PREFIX = "__composable_api_state_key"
+
+
+def is_sharded(module: Any) -> bool:
+    """Whether ``module`` or a module inside it is FSDP2-sharded (``fully_shard``)."""
+    fsdp = fsdp_module_class()
+    return fsdp is not None and any(isinstance(m, fsdp) for m in module.modules())
+
+
+def unsharded_copy(module: Any, without_hooks: Sequence[int] = ()) -> Any:
+    """A deep copy of ``module`` as a plain module: ``copy.deepcopy`` where nothing in it is
+    FSDP2-sharded; else (FSDP refuses deepcopy) every ``fully_shard`` module in it copied as its
+    original class, without FSDP's state or its forward hooks, holding copies of the parameters
+    it holds now. Call it while they are unsharded (inside the module's forward, after FSDP's
+    pre-forward hook): the copy then runs alone, with no collective, on the full parameters, as
+    the sharded module computes between its all-gather and its reshard. ``without_hooks``: ids of
+    hook handles (``RemovableHandle.id``) the copy leaves out as well, the caller's own, which
+    their handles cannot remove from a copy. Which attributes and hooks are FSDP's is FSDP2's
+    private layout (the composable-API state keys, hooks bound to its state objects), hence here."""
+    fsdp = fsdp_module_class()
+    if not is_sharded(module):
+        return copy.deepcopy(module)
+    memo: dict = {}
+    for sub in reversed(list(module.modules())):  # (inner sharded modules first: the outer copies find them in memo)
+        if isinstance(sub, fsdp):
+            memo[id(sub)] = _plain_copy(sub, fsdp, memo, set(without_hooks))
+    return memo[id(module)] if id(module) in memo else copy.deepcopy(module, memo)
+
+
+def _plain_copy(module: Any, fsdp: type, memo: dict, dropped: Set[int]) -> Any:
+    states = [v for k, v in module.__dict__.items() if k.startswith(_COMPOSABLE_STATE_PREFIX)]
+    owners = {id(s) for d in states if isinstance(d, dict) for s in d.values()}
+    # FSDP's hooks are methods of its state objects; the "with kwargs" / "always called" dicts
+    # name hooks by the same ids as the hook dicts
+    dropped = dropped | {k for name in ("_forward_pre_hooks", "_forward_hooks")
+                         for k, hook in module.__dict__.get(name, {}).items()
+                         if id(getattr(hook, "__self__", None)) in owners}
+    plain = object.__new__(next(c for c in type(module).__mro__ if not issubclass(c, fsdp)))
+    memo[id(module)] = plain
+    for key, value in module.__dict__.items():
+        if key.startswith(_COMPOSABLE_STATE_PREFIX):
+            continue
+        if key.startswith("_forward") and isinstance(value, dict):
+            value = type(value)((k, v) for k, v in value.items() if k not in dropped)
+        plain.__dict__[key] = copy.deepcopy(value, memo)
+    return plain
 
 
 def is_compiled_module(module: Any) -> bool:
