@@ -818,6 +818,14 @@ class MindSporeProber:
     def after_wrap(model: Any, layers: Sequence[nn.Cell], recomputes: bool) -> None:
         """Nothing: no MindSpore model needs more once its layers are wrapped."""
 
+    @staticmethod
+    def collectives(group: Any) -> None:
+        """``None``: on MindSpore each process plans alone (ranks agreeing is ``torch.distributed``'s)."""
+        if group not in (None, False):
+            raise ValueError("plan_memory(group=...): on MindSpore each process plans alone; ranks agreeing on one "
+                             "plan is implemented for torch.distributed. Leave group out (or pass group=False).")
+        return None
+
     def wrap(self, layer: nn.Cell, option: LayerOption, seen: Sequence[OpKey]) -> Any:
         """Wrap ``layer`` in place for ``option`` through the public API; the generated policy."""
         policy = option_policy(option, seen, self.key_of, self.nbytes)

@@ -71,6 +71,11 @@ class Prober(Protocol):
         ``None`` when a stack was planned)."""
         ...
 
+    def collectives(self, group: Any) -> Any:
+        """The object collectives (``distributed.Collectives``) of the data-parallel ``group`` a
+        plan is made for (``plan_memory(..., group=...)``), or ``None`` to plan alone."""
+        ...
+
     def wrap(self, layer: Any, option: LayerOption, seen: Sequence[OpKey]) -> Any:
         """Wrap ``layer`` in place for ``option`` through the public API; returns the generated
         policy (or ``None``)."""

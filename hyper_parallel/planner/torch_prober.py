@@ -47,6 +47,8 @@ from hyper_parallel.tools.clock import no_gc, step_clock
 from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, mark_host
 
 from .options import LayerOption, OpKey, option_policy
+from .torch_distributed import collectives_for
+from .torch_pipeline import TorchPipeline
 from .profile import Effect, LayerRecord, LayerType, OpRecord, RELATIONS, Segment, StepProfile
 
 __all__ = ["TorchProber", "EXPENSIVE_OPS"]
@@ -325,6 +327,37 @@ class TorchProber:
         if model is not None and recomputes and integration is not None and \
                 type(model).__module__.startswith("transformers."):
             integration.checkpoint_above(model, layers)
+
+    @staticmethod
+    def pipeline(schedule: Any) -> TorchPipeline:
+        """What ``plan_pipeline`` reads of a ``torch.distributed.pipelining`` schedule and runs of it."""
+        return TorchPipeline(schedule)
+
+    def measure_step(self, device: Any, step_fn: Callable[[], Any]) -> int:
+        """The peak bytes of one ``step_fn()`` as a budget counts them (the allocator's peak on an
+        accelerator; on a CPU the live storages less those the step never touched, as profiling
+        counts them), with what the step changed put back as profiling puts it back: gradients,
+        tensors written in place, the generators. ``plan_pipeline`` measures a schedule's step."""
+        device = torch.device(device)
+        state = _StepState()
+        state.save_rng()
+        for p in _parameters():
+            state.see_leaf(p)
+        recorder = _Recorder(state, self.key_of, self._backend.written_tensors)
+        gc.collect()
+        try:
+            with MemoryMeter(device) as meter:
+                with recorder:
+                    step_fn()
+        finally:
+            state.restore()
+        return meter.peak_bytes - (_unrelated_bytes(recorder) if device.type == "cpu" else 0)
+
+    @staticmethod
+    def collectives(group: Any) -> Any:
+        """The ``torch.distributed`` collectives of ``plan_memory(..., group=group)``, or ``None``
+        to plan alone (``torch_distributed.collectives_for``)."""
+        return collectives_for(group)
 
     def wrap(self, layer: torch.nn.Module, option: LayerOption, seen: Sequence[OpKey]) -> Any:
         """Wrap ``layer`` in place for ``option`` through the public API; the generated policy."""

@@ -11,7 +11,7 @@ import torch
 from typing import Any, List, Sequence, Set, Tuple
 
 __all__ = ["storage_key", "storage_keys", "version", "storage_use_count", "in_backward", "detach_keeping_version",
-           "pipeline_stages", "drop_pipeline_losses", "trace_range", "fsdp_module_class", "is_sharded", "unsharded_copy",
+           "pipeline_stages", "pipeline_microbatches", "pipeline_loss_fn", "pipeline_actions", "drop_pipeline_losses", "trace_range", "fsdp_module_class", "is_sharded", "unsharded_copy",
            "innermost_saved_tensors_hooks", "functional_collective", "is_compiled_module", "pinned_alloc_size",
            "empty_host_cache", "saved_identity"]
 
@@ -84,6 +84,44 @@ def pipeline_stages(schedule: Any) -> List[Any]:
             f"pipeline_swap and pipeline_recompute expect a torch.distributed.pipelining schedule (ScheduleGPipe, "
             f"Schedule1F1B, ...) built on its PipelineStage(s), got {type(schedule).__name__}.")
     return list(stages)
+
+
+def pipeline_microbatches(schedule: Any) -> int:
+    """How many micro-batches a pipelining schedule splits a step into (``_n_microbatches``: the
+    constructor's ``n_microbatches``, kept without a public accessor)."""
+    return int(schedule._n_microbatches)
+
+
+def pipeline_loss_fn(schedule: Any) -> Any:
+    """The loss function a pipelining schedule's last stage applies (``_loss_fn``, the
+    constructor's ``loss_fn``; no public accessor), or ``None``."""
+    return getattr(schedule, "_loss_fn", None)
+
+
+#: The compute actions of a schedule's action order (``_ComputationType`` values): forward, full
+#: backward, and the input and weight halves of a split backward.
+_COMPUTE_ACTIONS = frozenset({"F", "B", "I", "W"})
+
+
+def pipeline_actions(schedule: Any) -> Any:
+    """A pipelining schedule's compute actions per rank, in order, as ``(stage_index, kind,
+    micro-batch)`` with ``kind`` one of ``"F"``, ``"B"``, ``"I"``, ``"W"``; ``None`` if the schedule
+    has no action order. PyTorch builds it for its schedules (``pipeline_order``: rank -> a list
+    of private ``_Action`` tuples, ``None`` for an idle step; a fused action lists its parts in
+    ``sub_actions``); communication, resharding and gradient-reduction actions are left out."""
+    order = getattr(schedule, "pipeline_order", None)
+    if not order:
+        return None
+
+    def compute(action: Any) -> List[Tuple[int, str, Any]]:
+        if action is None:
+            return []
+        if getattr(action, "sub_actions", None):
+            return [a for sub in action.sub_actions for a in compute(sub)]
+        kind = getattr(action.computation_type, "value", str(action.computation_type))
+        return [(int(action.stage_index), kind, action.microbatch_index)] if kind in _COMPUTE_ACTIONS else []
+
+    return {int(rank): [a for action in actions for a in compute(action)] for rank, actions in order.items()}
 
 
 def drop_pipeline_losses(schedule: Any) -> None:
