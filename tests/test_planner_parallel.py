@@ -234,3 +234,69 @@ def test_a_schedule_whose_in_flight_counts_cannot_be_read_is_a_clear_error():
         pipeline_in_flight(_NoOrderSchedule())
     with pytest.raises(TypeError, match="pipelining schedule"):
         pipeline_in_flight(object())
+
+
+# ------------------------------------------------------------------------------ on 2 gloo processes
+@pytest.fixture(scope="module")
+def ranks() -> List[Dict[str, Any]]:
+    """Every scenario of ``planner_scenarios`` in one spawn of 2 processes; per rank its results."""
+    from support import dist_utils, planner_scenarios
+    return dist_utils.run_scenarios(list(planner_scenarios.SCENARIOS), table=planner_scenarios.SCENARIOS)
+
+
+def _results(ranks: List[Dict[str, Any]], name: str) -> List[Dict[str, Any]]:
+    per_rank = [r[name] for r in ranks]
+    for rank, res in enumerate(per_rank):
+        assert res["ok"], f"rank {rank}, scenario {name!r}:\n{res.get('error')}"
+    return per_rank
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ddp_ranks_with_different_timing_noise_apply_one_plan_and_train_bitwise(ranks):
+    r0, r1 = _results(ranks, "agree_ddp")
+    assert r0["json"] == r1["json"]  # byte-identical plan JSON on both ranks
+    assert any(c != "none" for c in r0["choices"])
+    # rank 1's layers spin 2 ms more per forward: the plan's times are its (the slowest rank's)
+    assert "on rank 1" in r0["notes"][-1] and "profiled on 2 data-parallel ranks" in r0["notes"][-1]
+    for res in (r0, r1):
+        assert res["min_budget"] <= res["budget"] < res["unplanned_peak"]
+        assert res["planned_peak"] <= res["budget"], res  # measured, on a fresh DDP model under the plan
+        assert res["train_bitwise"] and res["left_as_found"], res
+        # rank 1 runs a batch of one: the ranks' bytes differ, a clear error on both
+        assert res["mismatch"] is not None and "disagree" in res["mismatch"] and "on rank 1" in res["mismatch"]
+    assert r0["digest"] == r1["digest"]  # the trained parameters are equal across the ranks
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_plans_fit_their_budget_as_measured_and_train_bitwise(ranks):
+    r0, r1 = _results(ranks, "fsdp2")
+    assert r0["json"] == r1["json"]
+    for res in (r0, r1):
+        # the profile sees the gathered parameters of the running and the prefetched layer: its
+        # peak with nothing planned is the measured one (within 0.5%)
+        assert abs(res["reference_peak"] - res["unplanned_peak"]) <= 0.005 * res["unplanned_peak"], res
+        assert res["min_budget"] <= res["budget"] < res["unplanned_peak"]
+        assert res["planned_peak"] <= res["budget"], res
+        assert abs(res["planned_peak"] - res["predicted_peak"]) <= 0.02 * res["planned_peak"], res
+        assert res["grads_bitwise"] and res["params_bitwise"] and res["left_as_found"], res
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pipeline_stages_fit_one_budget_each_for_its_micro_batches(ranks):
+    r0, r1 = _results(ranks, "pipeline")
+    for res in (r0, r1):
+        assert res["in_flight"] == {"0": 2, "1": 1} and res["gpipe_in_flight"] == {"0": 4, "1": 4}
+        assert res["budget"] < res["unplanned_peak"]  # one budget, below what either stage needs unplanned
+        assert res["planned_peak"] <= res["budget"], res  # measured: a fresh schedule's first step
+        # the model (k micro-batches in flight, each keeping what the plan leaves, plus the
+        # schedule's own buffers measured once unplanned) predicts the planned step's peak
+        assert abs(res["planned_peak"] - res["predicted_peak"]) <= 0.03 * res["planned_peak"], res
+        assert res["measured_reference"] >= res["unplanned_peak"]  # (the planner's own measurement of it)
+        assert res["params_bitwise"] and res["left_as_found"], res  # one SGD step, against one process
+    # the first stage holds two micro-batches, the last one: the first keeps less of each
+    assert r0["kept_per_microbatch"] < r1["kept_per_microbatch"]
+    # the pipeline with a plan per stage is faster than with the first stage's plan on both (predicted)
+    assert r0["predicted_step_s"] < r0["predicted_uniform_step_s"]

@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves, tree_map
 
-from hyper_parallel.backends.torch._shim import is_sharded, unsharded_copy
+from hyper_parallel.backends.torch._shim import is_sharded, unsharded_copy, untyped_storage_key
 from hyper_parallel.backends.torch.backend import TorchBackend
 from hyper_parallel.core.swap_manager import SwapManager
 from hyper_parallel.core.wrapping import checkpoint_wrapper, swap_wrapper
@@ -242,14 +242,16 @@ class _Recorder(TorchDispatchMode):
         # (below autograd, a backward kernel's saved tensors look like leaves requiring grad:
         # only the forward's leaves are the parameters and inputs whose .grad the step writes)
         forward = not _in_backward()
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.layout is torch.strided and not t.is_meta:
+        for arg in tree_leaves((args, kwargs)):
+            if not (isinstance(arg, torch.Tensor) and arg.layout is torch.strided and not arg.is_meta):
+                continue
+            for t in _local_tensors(arg):  # (a DTensor reaches its local shard)
                 key = _storage_key(t)
                 inputs.add(key)
                 if key not in self.created and key not in self.reached and not is_host_storage(t):
                     self.reached[key] = t.untyped_storage().nbytes()
-                if forward and t.requires_grad and t.is_leaf:
-                    self.state.see_leaf(t)
+            if forward and arg.requires_grad and arg.is_leaf:
+                self.state.see_leaf(arg)
         written = self.written(func, args, kwargs)  # (declared or not: BatchNorm's statistics)
         mutating = bool(written)
         for t in written:
@@ -341,10 +343,10 @@ class TorchProber:
         device = torch.device(device)
         state = _StepState()
         state.save_rng()
+        gc.collect()
         for p in _parameters():
             state.see_leaf(p)
         recorder = _Recorder(state, self.key_of, self._backend.written_tensors)
-        gc.collect()
         try:
             with MemoryMeter(device) as meter:
                 with recorder:
@@ -387,6 +389,7 @@ class TorchProber:
         # Call 1: the memory timeline, every layer's ops and saved storages.
         state = _StepState()
         state.save_rng()
+        gc.collect()  # (garbage in reference cycles would count as live memory, and its parameters as the step's)
         for p in _parameters():  # (FSDP2 sets its sharded parameters' .grad itself: no op of the step names them)
             state.see_leaf(p)
         recorder = _Recorder(state, self.key_of, self._backend.written_tensors)
@@ -778,21 +781,26 @@ def _unrelated_bytes(recorder: _Recorder) -> int:
     """Bytes of the CPU storages alive after the step that it neither made nor reached (another
     model in the process, a data set kept as tensors): they lived through the whole step, which
     never touched them, so they are not its memory. (What the step reached, parameters, buffers,
-    inputs, and what existed before it and it let go of, old gradients, are.)"""
+    inputs, and what existed before it and it let go of, old gradients, are.) A wrapper subclass
+    (FSDP2's DTensor parameters) has no storage of its own: its inner tensors' storages count, as
+    the meter counts them."""
     seen, total = set(), 0
-    tensor_type = torch.Tensor
+    tensor_type, storage_type = torch.Tensor, torch.UntypedStorage
     objs = gc.get_objects()
     try:
         for obj in objs:
-            if not issubclass(type(obj), tensor_type) or obj.device.type != "cpu" or obj.layout is not torch.strided \
-                    or obj.is_meta or is_traceable_wrapper_subclass(obj):
+            if type(obj) is storage_type:  # (the meter counts storage objects too)
+                storages = [(untyped_storage_key(obj), obj)] if obj.device.type == "cpu" else []
+            elif issubclass(type(obj), tensor_type) and obj.device.type == "cpu" and obj.layout is torch.strided \
+                    and not obj.is_meta:
+                storages = [(_storage_key(t), t.untyped_storage()) for t in _local_tensors(obj)]
+            else:
                 continue
-            storage = obj.untyped_storage()
-            key = _storage_key(obj)
-            if key in seen or key in recorder.created or key in recorder.reached or is_host_storage(storage):
-                continue
-            seen.add(key)
-            total += storage.nbytes()
+            for key, storage in storages:
+                if key in seen or key in recorder.created or key in recorder.reached or is_host_storage(storage):
+                    continue
+                seen.add(key)
+                total += storage.nbytes()
     finally:
         del objs
     return total

@@ -10,7 +10,7 @@ import torch
 
 from typing import Any, List, Sequence, Set, Tuple
 
-__all__ = ["storage_key", "storage_keys", "version", "storage_use_count", "in_backward", "detach_keeping_version",
+__all__ = ["storage_key", "storage_keys", "untyped_storage_key", "version", "storage_use_count", "in_backward", "detach_keeping_version",
            "pipeline_stages", "pipeline_microbatches", "pipeline_loss_fn", "pipeline_actions", "drop_pipeline_losses", "trace_range", "fsdp_module_class", "is_sharded", "unsharded_copy",
            "innermost_saved_tensors_hooks", "functional_collective", "is_compiled_module", "pinned_alloc_size",
            "empty_host_cache", "saved_identity"]
@@ -25,6 +25,11 @@ def storage_key(t: torch.Tensor) -> int:
     """Identity of the storage ``t`` views (its ``StorageImpl``), stable while the storage lives;
     ``data_ptr`` would confuse two storages that reuse one address, and views with offsets."""
     return t.untyped_storage()._cdata
+
+
+def untyped_storage_key(storage: "torch.UntypedStorage") -> int:
+    """``storage_key`` of a storage object itself (FSDP2 holds some of its buffers as storages)."""
+    return storage._cdata
 
 
 def storage_keys(tensors: Sequence[torch.Tensor]) -> Set[int]:
