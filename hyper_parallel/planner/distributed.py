@@ -7,10 +7,14 @@ recomputes and another does not would diverge. :class:`AgreeingProber` wraps the
 prober so that:
 
 - every rank profiles its own step (its collectives, DDP's all-reduce or FSDP2's all-gathers,
-  run in step on every rank); the profiles are gathered and combined: every byte count
-  (segments, saved sizes, op records, parameters, gradients) must be equal on every rank, else
-  a ``RuntimeError`` names what differed and on which rank; times are the slowest rank's (the
-  maximum), the copy bandwidth the lowest;
+  run in step on every rank); the profiles are gathered and combined: what the step is made of
+  in bytes (every layer's op calls with their output bytes, the saved tensors' sizes, the
+  inputs, the bytes live at the start, parameters, gradients) must be equal on every rank, else
+  a ``RuntimeError`` names what differed and on which rank; the memory timeline's segments
+  (the same segments on every rank) count at their largest, since where an asynchronous free
+  falls against a layer boundary is timing (FSDP2's reshards and prefetches move a layer's
+  gathered parameters from one segment to the next, on one rank and not the other, from run to
+  run); times are the slowest rank's (the maximum), the copy bandwidth the lowest;
 - the first rank of the group solves; every probe and op timing it asks for is run on every rank
   (it broadcasts the request, the others serve it) and combined the same way: bytes must agree,
   seconds are the maximum;
@@ -51,7 +55,8 @@ class Collectives(Protocol):
 
 def summarize(profile: StepProfile) -> Dict[str, Any]:
     """What ranks compare of a profile, as plain values under readable names: everything in bytes
-    (compared exactly) and, under ``"times"`` and ``"copy bytes/s"``, what is combined instead."""
+    (compared exactly) and, under ``"timeline"`` (each segment's bytes at its start and its
+    peak), ``"times"`` and ``"copy bytes/s"``, what is combined instead."""
     out: Dict[str, Any] = {"device": profile.device, "copies overlap compute": profile.overlaps}
     for r in profile.layers:
         out[f"layer {r.index}"] = {
@@ -59,17 +64,17 @@ def summarize(profile: StepProfile) -> Dict[str, Any]:
             "op calls": [f"{o.key} -> {o.new_bytes} B{' saved' if o.saved else ''}{' mutating' if o.mutating else ''}"
                          for o in r.ops],
             "saved tensor bytes": list(r.saved_sizes), "input held by the model": r.input_held}
-    for seg in profile.segments:
-        out[f"segment {seg.name}"] = {"bytes at its start": seg.start, "peak bytes": seg.peak}
-    out.update({"bytes live at the start": profile.baseline_bytes, "peak bytes": profile.peak_bytes,
+    out["segments"] = [seg.name for seg in profile.segments]
+    out.update({"bytes live at the start": profile.baseline_bytes,
                 "parameter bytes": profile.param_bytes, "gradient bytes": profile.grad_bytes,
+                "timeline": [(seg.start, seg.peak) for seg in profile.segments],
                 "times": {"step_s": profile.step_s, "forward_s": [r.forward_s for r in profile.layers],
                           "backward_s": [r.backward_s for r in profile.layers]},
                 "copy bytes/s": profile.copy_bytes_per_s})
     return out
 
 
-_COMBINED = ("times", "copy bytes/s")
+_COMBINED = ("times", "copy bytes/s", "timeline")
 
 
 def _first_difference(a: Any, b: Any, where: str) -> Optional[Tuple[str, Any, Any]]:
@@ -101,9 +106,9 @@ def _disagreement(what: str, path: str, first: Any, other: Any, rank: int) -> Ru
 
 
 def combine_profiles(local: StepProfile, summaries: Sequence[Dict[str, Any]]) -> StepProfile:
-    """This rank's profile ``local`` with every time at its maximum over the ranks (the copy
-    bandwidth at its minimum), after checking that every rank's bytes equal rank 0's
-    (``summaries``: :func:`summarize` of each rank's profile, by rank)."""
+    """This rank's profile ``local`` with every segment's bytes and every time at their maximum
+    over the ranks (the copy bandwidth at its minimum), after checking that what every rank's
+    step is made of equals rank 0's (``summaries``: :func:`summarize` of each rank's profile)."""
     first = {k: v for k, v in summaries[0].items() if k not in _COMBINED}
     for rank, summary in enumerate(summaries[1:], start=1):
         other = {k: v for k, v in summary.items() if k not in _COMBINED}
@@ -115,12 +120,20 @@ def combine_profiles(local: StepProfile, summaries: Sequence[Dict[str, Any]]) ->
                                   backward_s=max(t["backward_s"][i] for t in times))
               for i, r in enumerate(local.layers)]
     by_type = {key: dataclasses.replace(t, record=layers[t.layers[0]]) for key, t in local.types.items()}
+    timelines = [s["timeline"] for s in summaries]
+    segments = [dataclasses.replace(seg, start=max(t[i][0] for t in timelines), peak=max(t[i][1] for t in timelines))
+                for i, seg in enumerate(local.segments)]
+    spread = max(max(t[i][k] for t in timelines) - min(t[i][k] for t in timelines)
+                 for i in range(len(segments)) for k in (0, 1))
     steps = [t["step_s"] for t in times]
     slowest = max(range(len(steps)), key=lambda r: steps[r])
+    memory = ("the same bytes on each" if not spread else
+              f"the same step on each, its segments counted at their largest (they differed by up to {spread} bytes)")
     notes = list(local.notes) + [
-        f"profiled on {len(steps)} data-parallel ranks, the same bytes on each; times are the slowest rank's "
+        f"profiled on {len(steps)} data-parallel ranks, {memory}; times are the slowest rank's "
         f"(step: {steps[slowest] * 1e3:.2f} ms on rank {slowest}, {min(steps) * 1e3:.2f} ms on the fastest)"]
-    return dataclasses.replace(local, layers=layers, types=by_type, step_s=max(steps),
+    return dataclasses.replace(local, segments=segments, layers=layers, types=by_type, step_s=max(steps),
+                               peak_bytes=max(seg.peak for seg in segments),
                                copy_bytes_per_s=min(s["copy bytes/s"] for s in summaries), notes=notes)
 
 

@@ -819,6 +819,12 @@ class MindSporeProber:
         """Nothing: no MindSpore model needs more once its layers are wrapped."""
 
     @staticmethod
+    def pipeline(schedule: Any) -> Any:
+        """Refused: ``plan_pipeline`` reads ``torch.distributed.pipelining`` schedules."""
+        raise ValueError("plan_pipeline plans torch.distributed.pipelining schedules; on MindSpore plan each stage's "
+                         "cells with plan_memory(..., microbatches_in_flight=k)")
+
+    @staticmethod
     def collectives(group: Any) -> None:
         """``None``: on MindSpore each process plans alone (ranks agreeing is ``torch.distributed``'s)."""
         if group not in (None, False):

@@ -49,7 +49,13 @@ def gpipe_actions(stages: int, microbatches: int) -> Dict[int, List[Action]]:
 def one_f_one_b_actions(stages: int, microbatches: int) -> Dict[int, List[Action]]:
     """1F1B's order as ``Schedule1F1B`` runs it, stage ``s`` on rank ``s``: ``min(n, P - s)``
     forwards, then a backward and a forward in turn, then the remaining backwards. (PyTorch's own
-    action table for it, ``pipeline_order``, numbers the last stage's forwards from 1 in 2.13.)"""
+    action table for it, ``pipeline_order``, numbers the last stage's forwards from 1 in 2.13.)
+
+    Example::
+
+        >>> one_f_one_b_actions(stages=2, microbatches=2)[0]
+        [(0, 'F', 0), (0, 'F', 1), (0, 'B', 0), (0, 'B', 1)]
+    """
     out: Dict[int, List[Action]] = {}
     for s in range(stages):
         warmup = min(microbatches, stages - s)
@@ -68,7 +74,15 @@ def in_flight_counts(actions: Mapping[int, Sequence[Action]]) -> Dict[int, int]:
     """The most micro-batches each stage holds at once, over its rank's action order
     (``actions``: rank -> compute actions in order): a micro-batch is held from its forward
     (``F``) until its backward is done (``B``, or ``W``, the weight half of a split backward,
-    which frees what the input half ``I`` still needed)."""
+    which frees what the input half ``I`` still needed).
+
+    Example::
+
+        >>> in_flight_counts(one_f_one_b_actions(stages=4, microbatches=8))
+        {0: 4, 1: 3, 2: 2, 3: 1}
+        >>> in_flight_counts(gpipe_actions(stages=2, microbatches=4))
+        {0: 4, 1: 4}
+    """
     counts: Dict[int, int] = {}
     for rank_actions in actions.values():
         held: Dict[int, set] = {}
@@ -87,7 +101,14 @@ def pipeline_step_seconds(actions: Mapping[int, Sequence[Action]], seconds: Mapp
     time; a forward waits for the previous stage's forward of its micro-batch, a backward for the
     next stage's backward of it (and its own forward). ``seconds``: per stage, one micro-batch's
     ``(forward, backward)`` time (a split backward's halves take half each). Communication is
-    not counted."""
+    not counted.
+
+    Example (stage 1 starts after stage 0's first forward; stage 0's last backward waits for
+    stage 1's)::
+
+        >>> pipeline_step_seconds(one_f_one_b_actions(2, 2), {0: (1.0, 2.0), 1: (1.0, 2.0)})
+        9.0
+    """
     done: Dict[Tuple[int, str, Optional[int]], float] = {}
     stages = max(seconds) + 1
     queues = {rank: list(a) for rank, a in actions.items()}
@@ -126,7 +147,7 @@ def pipeline_in_flight(schedule: Any, prober: Optional[Any] = None) -> Dict[int,
     micro-batches it holds at once, read from the schedule's action order (see
     :func:`in_flight_counts`): what ``plan_memory(..., microbatches_in_flight=...)`` takes.
 
-    Example (2 stages, 4 micro-batches)::
+    Example (on every rank of 2; ``stage``: this rank's ``PipelineStage``)::
 
         pipeline_in_flight(Schedule1F1B(stage, 4, loss_fn=loss_fn))   # {0: 2, 1: 1}
         pipeline_in_flight(ScheduleGPipe(stage, 4, loss_fn=loss_fn))  # {0: 4, 1: 4}

@@ -257,10 +257,11 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
       every rank of the default group when ``torch.distributed`` is initialized with more than
       one rank, else this process alone; a process group: its ranks; ``False``: this process
       alone. With more than one rank, every rank of the group calls ``plan_memory`` at the same
-      time, with the same budget: each profiles its own step, the profiles' bytes must agree
-      exactly (else a ``RuntimeError`` says what differed, on which rank), times count at the
-      slowest rank's, the group's first rank solves (every probe runs on every rank and is
-      combined the same way) and every rank gets the plan made from its JSON: byte-identical
+      time, with the same budget: each profiles its own step, what the steps are made of in
+      bytes must agree exactly (else a ``RuntimeError`` says what differed, on which rank), the
+      memory timeline and the times count at the largest rank's, the group's first rank solves
+      (every probe runs on every rank; its bytes must agree, its time is the slowest) and every
+      rank gets the plan made from its JSON: byte-identical
       plans, so collectives inside recomputed regions run alike everywhere. FSDP2 works as is:
       the profile counts the layer's gathered parameters and the prefetched ones, and probes run
       copies of a sharded layer as a plain module on its unsharded parameters
@@ -290,8 +291,12 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
     """
     prober = prober if prober is not None else active_prober()
     budget_bytes = parse_budget(budget)
-    return make_plan(layers, step_fn, lambda planner: planner.plan(budget_bytes), prober=prober, group=group,
+    plan = make_plan(layers, step_fn, lambda planner: planner.plan(budget_bytes), prober=prober, group=group,
                      microbatches_in_flight=microbatches_in_flight, resolution=resolution)
+    if plan.budget_bytes != budget_bytes:  # (ranks of a group get the first rank's plan)
+        raise ValueError(f"plan_memory: this rank's budget is {budget_bytes} bytes, the planning rank 0's "
+                         f"{plan.budget_bytes}: every rank of a group must pass the same budget")
+    return plan
 
 
 def make_plan(layers: Any, step_fn: Callable[[], Any], answer: Callable[[Planner], MemoryPlan], *,

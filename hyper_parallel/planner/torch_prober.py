@@ -349,7 +349,7 @@ class TorchProber:
         recorder = _Recorder(state, self.key_of, self._backend.written_tensors)
         try:
             with MemoryMeter(device) as meter:
-                with recorder:
+                with recorder, no_gc():  # (as call 1 of a profile: see there)
                     step_fn()
         finally:
             state.restore()
@@ -441,7 +441,10 @@ class TorchProber:
                 handles = _layer_marks(layers, segments, on_pre, on_post)
                 try:
                     segments.mark("pre", -1)
-                    with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    # (no cyclic collection inside: when it would run depends on everything the
+                    # process did before, so the bytes of data-parallel ranks would differ, by a
+                    # layer of FSDP2's gathered parameters kept by a cycle, say)
+                    with recorder, no_gc(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                         step_fn()
                     segments.close()
                 finally:
@@ -619,7 +622,7 @@ class TorchProber:
                 # so one-off device allocations such as a BLAS workspace are made)
                 inputs = source.inputs()
                 tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
-                with MemoryMeter(source.device, track=[copies, tensors], scan_gc=False) as meter:
+                with MemoryMeter(source.device, track=[copies, tensors], scan_gc=False) as meter, no_gc():
                     segments = _Segments(meter)
                     handles = _layer_marks(copies, segments)
                     try:

@@ -337,3 +337,15 @@ SCENARIOS: Dict[str, Callable[[int, int], Dict[str, Any]]] = {
     "fsdp2": scenario_fsdp2,
     "pipeline": scenario_pipeline,
 }
+
+
+if __name__ == "__main__":  # PYTHONPATH=tests python -m support.planner_scenarios [scenario ...]: print the results
+    import json
+    import sys
+
+    from support import dist_utils
+
+    chosen = sys.argv[1:] or list(SCENARIOS)
+    for rank, res in enumerate(dist_utils.run_scenarios(chosen, table=SCENARIOS)):
+        for name, value in res.items():
+            print(rank, name, json.dumps({k: v for k, v in value.items() if k != "json"}, default=str))
