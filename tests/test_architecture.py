@@ -98,3 +98,16 @@ def test_a_module_of_fsdp_imported_later_is_still_recognised():
             "print(_shim.fsdp_module_class() is FSDPModule)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True", out.stdout + out.stderr
+
+
+def test_the_planner_core_imports_no_framework():
+    """Only the framework parts of the planner (``torch_*.py``, ``mindspore_prober.py``) import a
+    framework; its core (options, cost model, solver, plans, ranks agreeing, pipeline stages) none."""
+    planner = os.path.join(PACKAGE, "planner")
+    core = sorted(f[:-3] for f in os.listdir(planner) if f.endswith(".py") and not f.startswith(("torch_", "mindspore_")))
+    modules = ", ".join(f"hyper_parallel.planner.{m}" if m != "__init__" else "hyper_parallel.planner" for m in core)
+    code = (f"import sys, importlib\nfor m in '{modules}'.split(', '): importlib.import_module(m)\n"
+            "print(sorted(n for n in ('torch', 'mindspore') if n in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    assert {"distributed", "pipeline", "planning", "plan"} <= set(core)
