@@ -696,6 +696,21 @@ class MindSporeProber(ChainProber):
     def after_wrap(model: Any, layers: Sequence[nn.Cell], recomputes: bool) -> None:
         """Nothing: no MindSpore model needs more once its layers are wrapped."""
 
+    # ------------------------------------------------------------------ parallel training
+    @staticmethod
+    def pipeline(schedule: Any) -> Any:
+        """Refused: ``plan_pipeline`` reads ``torch.distributed.pipelining`` schedules."""
+        raise ValueError("plan_pipeline plans torch.distributed.pipelining schedules; on MindSpore plan each stage's "
+                         "cells with plan_memory(..., microbatches_in_flight=k)")
+
+    @staticmethod
+    def collectives(group: Any) -> None:
+        """``None``: on MindSpore each process plans alone (ranks agreeing is ``torch.distributed``'s)."""
+        if group not in (None, False):
+            raise ValueError("plan_memory(group=...): on MindSpore each process plans alone; ranks agreeing on one "
+                             "plan is implemented for torch.distributed. Leave group out (or pass group=False).")
+        return None
+
     # ------------------------------------------------------------------ devices and time
     @staticmethod
     def device() -> str:
@@ -793,7 +808,7 @@ class MindSporeProber(ChainProber):
         grads = dict(found for found in map(_storage, recorder.params.values()) if found)
         return StepTrace(segments, log, baseline, peak, sum(params.values()), sum(grads.values()), state, notes)
 
-    def _probe_input(self, layer: nn.Cell, args: tuple, kwargs: dict) -> "_ProbeInput":
+    def _probe_input(self, layer: nn.Cell, args: tuple, kwargs: dict, hooks: Sequence[Any]) -> "_ProbeInput":
         return _ProbeInput(layer, args, kwargs, self.device())
 
     # ------------------------------------------------------------------ probes

@@ -51,7 +51,12 @@ class MemoryPlan:
             the plan (``peak_at``: the part of the step where the peak falls).
         lower_bound_step_s: no mix of the weighed options can be faster within the budget.
         min_budget_bytes: the smallest peak any plan of these options reaches.
-        reference_peak_bytes / reference_step_s: the step with every layer left as it is.
+        reference_peak_bytes / reference_step_s: the step with every layer left as it is
+            (``reference_forward_s``: the forward's part of that time).
+        microbatches_in_flight: the micro-batches a pipeline stage holds at once, the planned
+            one included (1 outside pipelines).
+        reserved_bytes: what the budget holds besides the profiled step (a pipeline schedule's
+            own buffers, measured by ``plan_pipeline``; 0 otherwise), included in the peaks.
         choices: one :class:`LayerChoice` per layer.
 
     ``apply()`` wraps the layers in place through the public API (``checkpoint_wrapper`` with a
@@ -64,7 +69,8 @@ class MemoryPlan:
                  prober: Any, *, budget_bytes: int, predicted_peak_bytes: int, peak_at: str,
                  predicted_step_s: float, lower_bound_step_s: float, min_budget_bytes: int,
                  reference_peak_bytes: int, reference_step_s: float, device: str, notes: Sequence[str] = (),
-                 probes: int = 0) -> None:
+                 probes: int = 0, reserved_bytes: int = 0, microbatches_in_flight: int = 1,
+                 reference_forward_s: float = 0.0) -> None:
         if len(choices) != len(layers):
             raise ValueError(f"MemoryPlan: {len(choices)} layer choices for a stack of {len(layers)} layers")
         self.layers = layers
@@ -82,6 +88,9 @@ class MemoryPlan:
         self.device = device
         self.notes = list(notes)
         self.probes = probes
+        self.reserved_bytes = reserved_bytes
+        self.microbatches_in_flight = microbatches_in_flight
+        self.reference_forward_s = reference_forward_s
         self.applied = False
         self.policies: List[Any] = []
         #: the model the stack was found in (``plan_memory(model, ...)``) and its attribute path
@@ -126,6 +135,9 @@ class MemoryPlan:
                  f"  every layer left as it is: peak {format_bytes(self.reference_peak_bytes)}, "
                  f"step {self.reference_step_s * 1e3:.1f} ms; the smallest reachable peak "
                  f"{format_bytes(self.min_budget_bytes)}"]
+        if self.microbatches_in_flight > 1 or self.reserved_bytes:
+            lines.append(f"  pipeline stage: {self.microbatches_in_flight} micro-batch(es) in flight, the planned one "
+                         f"included; {format_bytes(self.reserved_bytes)} held by the schedule itself (in the peaks)")
         rows = [("layer", "option", "kept", "swapped", "recomputed", "cost ms")]
         for c in self.choices:
             rows.append((str(c.index), c.option.name(), format_bytes(c.kept_bytes), format_bytes(c.swapped_bytes),
@@ -175,6 +187,8 @@ class MemoryPlan:
                "lower_bound_step_s": self.lower_bound_step_s, "min_budget_bytes": self.min_budget_bytes,
                "reference_peak_bytes": self.reference_peak_bytes, "reference_step_s": self.reference_step_s,
                "notes": self.notes, "probes": self.probes, "stack_path": self.stack_path,
+               "reserved_bytes": self.reserved_bytes, "microbatches_in_flight": self.microbatches_in_flight,
+               "reference_forward_s": self.reference_forward_s,
                "layers": [c.to_json() for c in self.choices],
                "seen": {k: [key.to_json() for key in keys] for k, keys in sorted(self.seen.items())}}
         return json.dumps(doc, indent=1, sort_keys=True)
@@ -208,7 +222,9 @@ class MemoryPlan:
                    predicted_step_s=doc["predicted_step_s"], lower_bound_step_s=doc["lower_bound_step_s"],
                    min_budget_bytes=doc["min_budget_bytes"], reference_peak_bytes=doc["reference_peak_bytes"],
                    reference_step_s=doc["reference_step_s"], device=doc["device"], notes=doc.get("notes", ()),
-                   probes=doc.get("probes", 0))._found_in(model, doc.get("stack_path"))
+                   probes=doc.get("probes", 0), reserved_bytes=doc.get("reserved_bytes", 0),
+                   microbatches_in_flight=doc.get("microbatches_in_flight", 1),
+                   reference_forward_s=doc.get("reference_forward_s", 0.0))._found_in(model, doc.get("stack_path"))
 
     def _found_in(self, model: Any, path: Optional[str]) -> "MemoryPlan":
         self.model, self.stack_path = model, path

@@ -11,11 +11,12 @@ from . import candidates as cand
 from . import solver
 from .budget import format_bytes, parse_budget
 from .cost import breakdown, predict, reference_retained
+from .distributed import AgreeingProber
 from .options import LayerOption, OpKey
 from .plan import LayerChoice, MemoryPlan, active_prober
 from .profile import Effect, LayerType, StepProfile
 
-__all__ = ["plan_memory", "Planner"]
+__all__ = ["plan_memory", "Planner", "make_plan"]
 
 #: At most this many options are probed per layer type while the solution still uses modelled ones.
 _MAX_PROBES = 24
@@ -153,40 +154,59 @@ class Planner:
         prediction = predict(self.profile, self.assignment_effects(chosen), self.in_flight)
         return prediction.peak_bytes, chosen, prediction.where
 
-    def plan(self, budget: Union[int, str]) -> MemoryPlan:
-        """The fastest plan whose predicted peak fits ``budget`` (see :func:`plan_memory`)."""
+    def plan(self, budget: Union[int, str], reserved_bytes: int = 0) -> MemoryPlan:
+        """The fastest plan whose predicted peak fits ``budget`` (see :func:`plan_memory`).
+        ``reserved_bytes``: memory the budget must also hold that the profiled step does not show
+        (a pipeline schedule's own buffers, measured by ``plan_pipeline``): the step under the
+        plan must fit ``budget - reserved_bytes``, and the plan's predicted, minimum and
+        reference peaks include it."""
         budget_bytes = parse_budget(budget)
-        chosen = self._solve(lambda p: solver.solve(p, budget_bytes, self.resolution))
+        reserved = int(reserved_bytes)
+        room = budget_bytes - reserved
+        chosen = self._solve(lambda p: solver.solve(p, room, self.resolution)) if room > 0 else None
         minimum, min_plan, where = self.min_budget()
-        if chosen is None and minimum <= budget_bytes:
+        if chosen is None and 0 < minimum <= room:
             chosen = min_plan  # (the programme rounds bytes up: at the very edge only the minimum fits)
         if chosen is not None:
-            chosen = self._polish(chosen, budget_bytes)
+            chosen = self._polish(chosen, room)
         if chosen is None:
             parts = breakdown(self.profile, self.assignment_effects(min_plan), where)
+            if reserved:
+                parts.append(("what the pipeline schedule holds besides (measured)", reserved))
             detail = "; ".join(f"{name} {format_bytes(n)}" for name, n in parts if n)
+            least = minimum + reserved
             raise ValueError(
                 f"plan_memory: no plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): the "
-                f"smallest peak any plan reaches is {format_bytes(minimum)} ({minimum} bytes), during {where}: "
+                f"smallest peak any plan reaches is {format_bytes(least)} ({least} bytes), during {where}: "
                 f"{detail}. Raise the budget to at least that, or shrink what every plan pays (batch size, "
                 "sequence length, parameters and their gradients, the loss head).")
         effects = self.assignment_effects(chosen)
         prediction = predict(self.profile, effects, self.in_flight)
         problem, _ = self._problem(measured_only=True)
-        bound = solver.lower_bound(problem, budget_bytes, self.resolution)
+        bound = solver.lower_bound(problem, room, self.resolution)
         if solver.have_scipy():
-            bound = max(bound, solver.lp_bound(problem, budget_bytes))
+            bound = max(bound, solver.lp_bound(problem, room))
         step0 = self.profile.step_s
         choices = [self._choice(i, o, e) for i, (o, e) in enumerate(zip(chosen, effects))]
         return MemoryPlan(self.layers, choices, self.seen, self.prober, budget_bytes=budget_bytes,
-                          predicted_peak_bytes=prediction.peak_bytes, peak_at=prediction.where,
+                          predicted_peak_bytes=prediction.peak_bytes + reserved, peak_at=prediction.where,
                           predicted_step_s=prediction.step_s, lower_bound_step_s=min(prediction.step_s, step0 + bound),
-                          min_budget_bytes=minimum, reference_peak_bytes=self.reference_peak(),
+                          min_budget_bytes=minimum + reserved, reference_peak_bytes=self.reference_peak() + reserved,
                           reference_step_s=step0, device=self.profile.device, notes=self.profile.notes,
-                          probes=self.probes)
+                          probes=self.probes, reserved_bytes=reserved, microbatches_in_flight=self.in_flight,
+                          reference_forward_s=self.forward_seconds())
 
     def reference_peak(self) -> int:
-        return max(s.peak for s in self.profile.segments)
+        """The step's predicted peak with every layer left as it is (each other micro-batch in
+        flight keeping what its forward left)."""
+        return predict(self.profile, [cand.ZERO] * len(self.profile.layers), self.in_flight).peak_bytes
+
+    def forward_seconds(self) -> float:
+        """The forward's part of the profiled step's time: the step time in the ratio of the
+        layers' forward and backward times."""
+        fwd = sum(r.forward_s for r in self.profile.layers)
+        bwd = sum(r.backward_s for r in self.profile.layers)
+        return self.profile.step_s * fwd / (fwd + bwd) if fwd + bwd > 0 else self.profile.step_s / 3
 
     def _choice(self, index: int, option: LayerOption, effect: Effect) -> LayerChoice:
         record = self.profile.layers[index]
@@ -210,7 +230,8 @@ class Planner:
 
 
 def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str], *,
-                microbatches_in_flight: int = 1, prober: Optional[Any] = None, resolution: int = 2048) -> MemoryPlan:
+                microbatches_in_flight: int = 1, group: Any = None, prober: Optional[Any] = None,
+                resolution: int = 2048) -> MemoryPlan:
     """Choose SAVE / RECOMPUTE / SWAP for every layer of ``layers`` so that one ``step_fn()`` peaks
     at most at ``budget`` bytes of device memory, as fast as the options allow.
 
@@ -237,6 +258,19 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
       (1F1B with ``P`` stages: stage ``s`` holds up to ``P - s``; GPipe: all of them; see
       ``plan_pipeline``): each other one keeps what the plan leaves for its backward, on top of
       the profiled step (``step_fn``: one micro-batch's forward + backward through the stage).
+    - ``group``: the data-parallel ranks that must apply the same plan. ``None`` (the default):
+      every rank of the default group when ``torch.distributed`` is initialized with more than
+      one rank, else this process alone; a process group: its ranks; ``False``: this process
+      alone. With more than one rank, every rank of the group calls ``plan_memory`` at the same
+      time, with the same budget: each profiles its own step, what the steps are made of in
+      bytes must agree exactly (else a ``RuntimeError`` says what differed, on which rank), the
+      memory timeline and the times count at the largest rank's, the group's first rank solves
+      (every probe runs on every rank; its bytes must agree, its time is the slowest) and every
+      rank gets the plan made from its JSON: byte-identical
+      plans, so collectives inside recomputed regions run alike everywhere. FSDP2 works as is:
+      the profile counts the layer's gathered parameters and the prefetched ones, and probes run
+      copies of a sharded layer as a plain module on its unsharded parameters
+      (``docs/parallel.md``). MindSpore plans each process alone.
 
     A budget below what any plan reaches is a ``ValueError`` stating the minimum and what makes it
     up; a budget above the step's peak with every layer left as it is gives a plan that wraps
@@ -262,6 +296,20 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
     """
     prober = prober if prober is not None else active_prober()
     budget_bytes = parse_budget(budget)
+    plan = make_plan(layers, step_fn, lambda planner: planner.plan(budget_bytes), prober=prober, group=group,
+                     microbatches_in_flight=microbatches_in_flight, resolution=resolution)
+    if plan.budget_bytes != budget_bytes:  # (ranks of a group get the first rank's plan)
+        raise ValueError(f"plan_memory: this rank's budget is {budget_bytes} bytes, the planning rank 0's "
+                         f"{plan.budget_bytes}: every rank of a group must pass the same budget")
+    return plan
+
+
+def make_plan(layers: Any, step_fn: Callable[[], Any], answer: Callable[[Planner], MemoryPlan], *,
+              prober: Any, group: Any = None, microbatches_in_flight: int = 1, resolution: int = 2048) -> MemoryPlan:
+    """Profile ``step_fn`` and return ``answer(planner)``, the plan a :class:`Planner` of the
+    profile gives (``layers``: a stack or a model, as :func:`plan_memory` takes them): on this
+    process, or (``group``: see :func:`plan_memory`) on the group's first rank with the profiles
+    and probes of every rank, the plan every rank gets made from its JSON."""
     model, path = None, None
     if prober.is_layer(layers) and not prober.is_stack(layers):
         model = layers
@@ -270,11 +318,23 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
     if not callable(step_fn):
         raise TypeError(f"plan_memory: step_fn must be a zero-argument callable running one forward + backward, "
                         f"got {step_fn!r}")
-    profile = prober.profile_step(stack, step_fn)
-    plan = Planner(stack, profile, prober, resolution, microbatches_in_flight).plan(budget_bytes)
-    if model is not None:
-        plan.model, plan.stack_path = model, path
-        plan.notes.insert(0, f"layer stack: {type(model).__name__}.{path} ({len(stack)} x {type(stack[0]).__name__})")
+
+    def found(planner: Planner) -> MemoryPlan:
+        plan = answer(planner)
+        if model is not None:
+            plan.model, plan.stack_path = model, path
+            plan.notes.insert(0, f"layer stack: {type(model).__name__}.{path} ({len(stack)} x "
+                                 f"{type(stack[0]).__name__})")
+        return plan
+
+    collectives = prober.collectives(group)
+    if collectives is None:
+        plan = found(Planner(stack, prober.profile_step(stack, step_fn), prober, resolution, microbatches_in_flight))
+    else:
+        agreeing = AgreeingProber(prober, collectives)
+        profile = agreeing.profile_step(stack, step_fn)
+        plan = agreeing.agree(lambda: found(Planner(stack, profile, agreeing, resolution, microbatches_in_flight)),
+                              lambda text: MemoryPlan.from_json(text, stack if model is None else model, prober))
     SwapManager().reset_stats()  # (the probes' traffic is not the user's)
     return plan
 

@@ -73,6 +73,21 @@ class Prober(Protocol):
         ``None`` when a stack was planned)."""
         ...
 
+    def pipeline(self, schedule: Any) -> Any:
+        """What ``plan_pipeline`` reads of a pipeline schedule and runs of it (PyTorch:
+        ``torch_pipeline.TorchPipeline``): its stages here, its action order, one step, a
+        micro-batch step through a stage; a clear error where the framework has none."""
+        ...
+
+    def measure_step(self, device: Any, step_fn: Callable[[], Any]) -> int:
+        """The peak bytes of one ``step_fn()`` as a budget counts them, what it changed put back."""
+        ...
+
+    def collectives(self, group: Any) -> Any:
+        """The object collectives (``distributed.Collectives``) of the data-parallel ``group`` a
+        plan is made for (``plan_memory(..., group=...)``), or ``None`` to plan alone."""
+        ...
+
     def wrap(self, layer: Any, option: LayerOption, seen: Sequence[OpKey]) -> Any:
         """Wrap ``layer`` in place for ``option`` through the public API; returns the generated
         policy (or ``None``)."""

@@ -308,8 +308,9 @@ class ChainProber(abc.ABC):
         hooks; everything it changed put back."""
 
     @abc.abstractmethod
-    def _probe_input(self, layer: Any, args: tuple, kwargs: dict) -> ProbeSource:
-        """``layer`` and a host copy of the input it receives now (made in its forward pre-hook)."""
+    def _probe_input(self, layer: Any, args: tuple, kwargs: dict, hooks: Sequence[Any]) -> ProbeSource:
+        """``layer`` and a host copy of the input it receives now (made in its forward pre-hook;
+        ``hooks``: the handles of the profile's own hooks on it, which a copy must not carry)."""
 
     @abc.abstractmethod
     def _copy_bytes_per_s(self, device: Any) -> float:
@@ -408,7 +409,7 @@ class ChainProber(abc.ABC):
             self.synchronize(device)
             if j in first:
                 t = now()
-                first[j].probe_inputs = self._probe_input(layers[j], args, kwargs)
+                first[j].probe_inputs = self._probe_input(layers[j], args, kwargs, handles)
                 self.synchronize(device)
                 copying[0] += now() - t
             started[j] = now()

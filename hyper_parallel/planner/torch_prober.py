@@ -25,17 +25,20 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves, tree_map
 
+from hyper_parallel.backends.torch._shim import is_sharded, unsharded_copy, untyped_storage_key
 from hyper_parallel.backends.torch.backend import TorchBackend
 from hyper_parallel.integrations import find_layer_stack
-from hyper_parallel.tools.clock import step_clock
+from hyper_parallel.tools.clock import no_gc, step_clock
 from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, mark_host
 
 from .options import OpKey
 from .probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
 from .step_state import StepState
+from .torch_distributed import collectives_for
+from .torch_pipeline import TorchPipeline
 
 __all__ = ["TorchProber", "EXPENSIVE_OPS"]
 
@@ -81,8 +84,10 @@ class _StepState(StepState):
         for leaf, grad in self.leaves.values():
             leaf.grad = grad
 
-    def _storage_of(self, t: torch.Tensor) -> int:
-        return _storage_key(t)
+    def _storage_of(self, t: torch.Tensor) -> Optional[int]:
+        # (a tensor whose storage its owner freed, FSDP2's all-gather buffers resized to zero
+        # bytes between uses, holds nothing to put back)
+        return _storage_key(t) if _backed(t) else None
 
     def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
         host = t.detach().to("cpu", copy=True)
@@ -92,7 +97,8 @@ class _StepState(StepState):
     def _write_back(self, written: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         with torch.no_grad():
             for t, host in written:
-                t.copy_(host)
+                if _backed(t):  # (freed by its owner meanwhile, FSDP2's resharding: its content is the owner's)
+                    t.copy_(host)
 
     def _rng_state(self) -> Any:
         acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -137,14 +143,16 @@ class _Recorder(TorchDispatchMode):
         # (below autograd, a backward kernel's saved tensors look like leaves requiring grad:
         # only the forward's leaves are the parameters and inputs whose .grad the step writes)
         forward = not _in_backward()
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.layout is torch.strided and not t.is_meta:
+        for arg in tree_leaves((args, kwargs)):
+            if not (isinstance(arg, torch.Tensor) and arg.layout is torch.strided and not arg.is_meta):
+                continue
+            for t in _local_tensors(arg):  # (a DTensor reaches its local shard)
                 key = _storage_key(t)
                 inputs.add(key)
                 if key not in self.created and key not in self.reached and not is_host_storage(t):
                     self.reached[key] = t.untyped_storage().nbytes()
-                if forward and t.requires_grad and t.is_leaf:
-                    self.state.see_leaf(t)
+            if forward and arg.requires_grad and arg.is_leaf:
+                self.state.see_leaf(arg)
         written = self.written(func, args, kwargs)  # (declared or not: BatchNorm's statistics)
         mutating = bool(written)
         for t in written:
@@ -229,6 +237,45 @@ class TorchProber(ChainProber):
                 type(model).__module__.startswith("transformers."):
             integration.checkpoint_above(model, layers)
 
+    # ------------------------------------------------------------------ parallel training
+    @staticmethod
+    def pipeline(schedule: Any) -> TorchPipeline:
+        """What ``plan_pipeline`` reads of a ``torch.distributed.pipelining`` schedule and runs of it."""
+        return TorchPipeline(schedule)
+
+    def measure_step(self, device: Any, step_fn: Callable[[], Any]) -> int:
+        """The peak bytes of one ``step_fn()`` as a budget counts them (the allocator's peak on an
+        accelerator; on a CPU the live storages less those the step never touched, as profiling
+        counts them), with what the step changed put back as profiling puts it back: gradients,
+        tensors written in place, the generators. ``plan_pipeline`` measures a schedule's step."""
+        device = torch.device(device)
+        state = self._watched_state()
+        recorder = _Recorder(state, self.key_of, self._backend.written_tensors)
+        try:
+            with MemoryMeter(device) as meter:
+                with recorder, no_gc():  # (as call 1 of a profile: see there)
+                    step_fn()
+        finally:
+            state.restore()
+        return meter.peak_bytes - (_unrelated_bytes(recorder) if device.type == "cpu" else 0)
+
+    @staticmethod
+    def collectives(group: Any) -> Any:
+        """The ``torch.distributed`` collectives of ``plan_memory(..., group=group)``, or ``None``
+        to plan alone (``torch_distributed.collectives_for``)."""
+        return collectives_for(group)
+
+    @staticmethod
+    def _watched_state() -> _StepState:
+        """A fresh state for a step: the generators saved, every live parameter's ``.grad`` seen
+        (FSDP2 sets its sharded parameters' ``.grad`` itself: no op of the step names them)."""
+        state = _StepState()
+        state.save_rng()
+        gc.collect()  # (garbage in reference cycles would count as live memory, and its parameters as the step's)
+        for p in _parameters():
+            state.see_leaf(p)
+        return state
+
     # ------------------------------------------------------------------ devices and time
     @staticmethod
     def device_of(layers: Sequence[torch.nn.Module]) -> torch.device:
@@ -284,8 +331,7 @@ class TorchProber(ChainProber):
     # ------------------------------------------------------------------ the step
     def _instrumented(self, layers: Sequence[torch.nn.Module], step_fn: Callable[[], Any],
                       device: torch.device) -> StepTrace:
-        state = _StepState()
-        state.save_rng()
+        state = self._watched_state()
         log = self._layer_log()
         recorder = _Recorder(state, self.key_of, self._backend.written_tensors, log)
 
@@ -296,10 +342,13 @@ class TorchProber(ChainProber):
 
         # On a CPU the step's memory is every live storage (the meter counts them all) but those it
         # has nothing to do with: alive before and after it, never read or written by it (see
-        # _unrelated_bytes). An accelerator's allocator counts all of its memory.
-        gc.collect()  # (garbage in reference cycles would count as live memory)
+        # _unrelated_bytes). An accelerator's allocator counts all of its memory. No cyclic
+        # collection inside: when it would run depends on everything the process did before, so the
+        # bytes of data-parallel ranks would differ (by a layer of FSDP2's gathered parameters kept
+        # by a cycle, say).
         try:
-            with MemoryMeter(device) as meter, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with MemoryMeter(device) as meter, recorder, no_gc(), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 segments = self._segmented(layers, meter, step_fn, log.on_pre, log.on_post)
         finally:
             state.restore()
@@ -307,13 +356,14 @@ class TorchProber(ChainProber):
         for segment in segments:
             segment.start += before
             segment.peak += before
-        params = {_storage_key(p): p.untyped_storage().nbytes() for layer in layers for p in layer.parameters()}
+        params = {_storage_key(t): t.untyped_storage().nbytes() for layer in layers for p in layer.parameters()
+                  for t in _local_tensors(p)}
         leaves = {_storage_key(leaf): leaf.untyped_storage().nbytes() for leaf, _ in state.leaves.values()}
         return StepTrace(segments, log, meter.baseline_bytes + before, meter.peak_bytes + before,
                          sum(params.values()), sum(leaves.values()), state)
 
-    def _probe_input(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> "_ProbeInput":
-        return _ProbeInput(layer, args, kwargs)
+    def _probe_input(self, layer: torch.nn.Module, args: tuple, kwargs: dict, hooks: Sequence[Any]) -> "_ProbeInput":
+        return _ProbeInput(layer, args, kwargs, hooks)
 
     # ------------------------------------------------------------------ probes
     @contextlib.contextmanager
@@ -343,7 +393,7 @@ class TorchProber(ChainProber):
         with self._kept(source, copies, watch=True):
             inputs = source.inputs()
             tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
-            with MemoryMeter(source.device, track=[copies, tensors], scan_gc=False) as meter:
+            with MemoryMeter(source.device, track=[copies, tensors], scan_gc=False) as meter, no_gc():
                 yield meter, inputs
 
     def _op_timer(self, times: OpTimes) -> "_OpTimer":
@@ -366,8 +416,11 @@ class _ProbeInput:
     """One layer and the input it received in the step: what a probe runs copies of. The input's
     tensors are kept as host copies (never device memory, for a CPU meter either) between probes."""
 
-    def __init__(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        self.layer = layer
+    def __init__(self, layer: torch.nn.Module, args: tuple, kwargs: dict, hooks: Sequence[Any] = ()) -> None:
+        # Made inside the layer's forward: an FSDP2-sharded layer holds its unsharded parameters
+        # now, and the probes run copies of it as a plain module on them (no collective), without
+        # the profile's ``hooks`` (their handles remove them from the layer, not from a copy).
+        self.layer = unsharded_copy(layer, [h.id for h in hooks]) if is_sharded(layer) else layer
         self.outside: List[torch.Tensor] = []  # tensors outside the layer a run writes in place
         x = args[0]
         self.device = x.device
@@ -398,26 +451,60 @@ class _ProbeInput:
             h.backward(torch.ones_like(h))
 
 
+def _backed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds all of ``t`` (an owner may have resized it to zero bytes)."""
+    if t.numel() == 0:
+        return True
+    extent = t.storage_offset() + 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() >= extent * t.element_size()
+
+
+def _local_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors holding ``t``'s data: itself, or a wrapper subclass's inner tensors (FSDP2's
+    DTensor parameters hold their local shard)."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _local_tensors(inner)
+    else:
+        yield t
+
+
+def _parameters() -> List[torch.nn.Parameter]:
+    """Every parameter alive in the process (``type`` first: ``isinstance`` on an arbitrary object
+    may evaluate a ``__class__`` property, and some warn)."""
+    tensor_type = torch.Tensor
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), tensor_type) and isinstance(obj, torch.nn.Parameter)]
+
+
 def _unrelated_bytes(recorder: _Recorder) -> int:
     """Bytes of the CPU storages alive after the step that it neither made nor reached (another
     model in the process, a data set kept as tensors): they lived through the whole step, which
     never touched them, so they are not its memory. (What the step reached, parameters, buffers,
-    inputs, and what existed before it and it let go of, old gradients, are.)"""
+    inputs, and what existed before it and it let go of, old gradients, are.) A wrapper subclass
+    (FSDP2's DTensor parameters) has no storage of its own: its inner tensors' storages count, as
+    the meter counts them; storage objects count too, as the meter counts them. A tensor whose
+    storage is not on the CPU is no memory here: a traced tensor kept by ``torch.compile``'s caches
+    says ``cpu`` but holds a meta storage of symbolic size."""
     seen, total = set(), 0
-    tensor_type = torch.Tensor
+    tensor_type, storage_type = torch.Tensor, torch.UntypedStorage
     objs = gc.get_objects()
     try:
         for obj in objs:
-            if not issubclass(type(obj), tensor_type) or obj.layout is not torch.strided:
+            if type(obj) is storage_type:
+                storages = [(untyped_storage_key(obj), obj)]
+            elif issubclass(type(obj), tensor_type) and obj.layout is torch.strided:
+                storages = [(_storage_key(t), t.untyped_storage()) for t in _local_tensors(obj)]
+            else:
                 continue
-            storage = obj.untyped_storage()
-            if storage.device.type != "cpu":  # (a traced tensor, kept by torch.compile's caches, says "cpu" but holds
-                continue                      # a meta storage of symbolic size: no memory)
-            key = _storage_key(obj)
-            if key in seen or key in recorder.created or key in recorder.reached or is_host_storage(storage):
-                continue
-            seen.add(key)
-            total += storage.nbytes()
+            for key, storage in storages:
+                if storage.device.type != "cpu" or key in seen or key in recorder.created or key in recorder.reached \
+                        or is_host_storage(storage):
+                    continue
+                seen.add(key)
+                total += storage.nbytes()
     finally:
         del objs
     return total

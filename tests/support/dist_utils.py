@@ -43,7 +43,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, names: List[str], out_dir: str) -> None:
+def _entry(rank: int, world: int, port: int, names: List[str], out_dir: str,
+           table: Optional[Dict[str, Callable[[int, int], Dict[str, Any]]]] = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if ROOT not in sys.path:
@@ -59,7 +60,7 @@ def _entry(rank: int, world: int, port: int, names: List[str], out_dir: str) -> 
             t0 = time.perf_counter()
             SwapManager().reset()
             try:
-                res = dict(SCENARIOS[name](rank, world))
+                res = dict((table or SCENARIOS)[name](rank, world))
                 res["ok"] = True
             except Exception:  # noqa: BLE001  (reported to the test)
                 res = {"ok": False, "error": traceback.format_exc()}
@@ -73,12 +74,15 @@ def _entry(rank: int, world: int, port: int, names: List[str], out_dir: str) -> 
         dist.destroy_process_group()
 
 
-def run_scenarios(names: Sequence[str], world: int = 2, timeout: float = 240.0) -> List[Dict[str, Any]]:
-    """Run ``names`` in ``world`` spawned processes; returns one ``{scenario: result}`` per rank."""
+def run_scenarios(names: Sequence[str], world: int = 2, timeout: float = 240.0,
+                  table: Optional[Dict[str, Callable[[int, int], Dict[str, Any]]]] = None) -> List[Dict[str, Any]]:
+    """Run ``names`` in ``world`` spawned processes; returns one ``{scenario: result}`` per rank.
+    ``table``: where the scenarios are found (default: this module's ``SCENARIOS``); its
+    functions must be module-level ones of an importable module (they are pickled by name)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), list(names), out_dir),
+        ctx = mp.start_processes(_entry, args=(world, free_port(), list(names), out_dir, table),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         error: Optional[str] = None

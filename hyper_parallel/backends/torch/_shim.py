@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 
 import torch
 
 from typing import Any, List, Sequence, Set, Tuple
 
-__all__ = ["storage_key", "storage_keys", "version", "storage_use_count", "in_backward", "detach_keeping_version",
-           "pipeline_stages", "drop_pipeline_losses", "trace_range", "fsdp_module_class",
+__all__ = ["storage_key", "storage_keys", "untyped_storage_key", "version", "storage_use_count", "in_backward", "detach_keeping_version",
+           "pipeline_stages", "pipeline_microbatches", "pipeline_loss_fn", "pipeline_actions", "drop_pipeline_losses", "trace_range", "fsdp_module_class", "is_sharded", "unsharded_copy",
            "innermost_saved_tensors_hooks", "functional_collective", "is_compiled_module", "pinned_alloc_size",
            "empty_host_cache", "saved_identity"]
 
@@ -24,6 +25,11 @@ def storage_key(t: torch.Tensor) -> int:
     """Identity of the storage ``t`` views (its ``StorageImpl``), stable while the storage lives;
     ``data_ptr`` would confuse two storages that reuse one address, and views with offsets."""
     return t.untyped_storage()._cdata
+
+
+def untyped_storage_key(storage: "torch.UntypedStorage") -> int:
+    """``storage_key`` of a storage object itself (FSDP2 holds some of its buffers as storages)."""
+    return storage._cdata
 
 
 def storage_keys(tensors: Sequence[torch.Tensor]) -> Set[int]:
@@ -85,6 +91,44 @@ def pipeline_stages(schedule: Any) -> List[Any]:
     return list(stages)
 
 
+def pipeline_microbatches(schedule: Any) -> int:
+    """How many micro-batches a pipelining schedule splits a step into (``_n_microbatches``: the
+    constructor's ``n_microbatches``, kept without a public accessor)."""
+    return int(schedule._n_microbatches)
+
+
+def pipeline_loss_fn(schedule: Any) -> Any:
+    """The loss function a pipelining schedule's last stage applies (``_loss_fn``, the
+    constructor's ``loss_fn``; no public accessor), or ``None``."""
+    return getattr(schedule, "_loss_fn", None)
+
+
+#: The compute actions of a schedule's action order (``_ComputationType`` values): forward, full
+#: backward, and the input and weight halves of a split backward.
+_COMPUTE_ACTIONS = frozenset({"F", "B", "I", "W"})
+
+
+def pipeline_actions(schedule: Any) -> Any:
+    """A pipelining schedule's compute actions per rank, in order, as ``(stage_index, kind,
+    micro-batch)`` with ``kind`` one of ``"F"``, ``"B"``, ``"I"``, ``"W"``; ``None`` if the schedule
+    has no action order. PyTorch builds it for its schedules (``pipeline_order``: rank -> a list
+    of private ``_Action`` tuples, ``None`` for an idle step; a fused action lists its parts in
+    ``sub_actions``); communication, resharding and gradient-reduction actions are left out."""
+    order = getattr(schedule, "pipeline_order", None)
+    if not order:
+        return None
+
+    def compute(action: Any) -> List[Tuple[int, str, Any]]:
+        if action is None:
+            return []
+        if getattr(action, "sub_actions", None):
+            return [a for sub in action.sub_actions for a in compute(sub)]
+        kind = getattr(action.computation_type, "value", str(action.computation_type))
+        return [(int(action.stage_index), kind, action.microbatch_index)] if kind in _COMPUTE_ACTIONS else []
+
+    return {int(rank): [a for action in actions for a in compute(action)] for rank, actions in order.items()}
+
+
 def drop_pipeline_losses(schedule: Any) -> None:
     """Forget the per-microbatch losses an aborted step left in a pipelining schedule: PyTorch
     appends them to ``_internal_losses`` and clears it only after a successful step."""
@@ -112,6 +156,56 @@ def fsdp_module_class() -> Any:
     here would cost every process seconds (it pulls in DTensor and sympy)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+
+
+#: FSDP2 keeps a sharded module's state (its ``FSDPState``, the composable-API registry) in
+#: ``module.__dict__`` under keys of this prefix (``torch.distributed._composable.contract``).
+_COMPOSABLE_STATE_PREFIX = "__composable_api_state_key"
+
+
+def is_sharded(module: Any) -> bool:
+    """Whether ``module`` or a module inside it is FSDP2-sharded (``fully_shard``)."""
+    fsdp = fsdp_module_class()
+    return fsdp is not None and any(isinstance(m, fsdp) for m in module.modules())
+
+
+def unsharded_copy(module: Any, without_hooks: Sequence[int] = ()) -> Any:
+    """A deep copy of ``module`` as a plain module: ``copy.deepcopy`` where nothing in it is
+    FSDP2-sharded; else (FSDP refuses deepcopy) every ``fully_shard`` module in it copied as its
+    original class, without FSDP's state or its forward hooks, holding copies of the parameters
+    it holds now. Call it while they are unsharded (inside the module's forward, after FSDP's
+    pre-forward hook): the copy then runs alone, with no collective, on the full parameters, as
+    the sharded module computes between its all-gather and its reshard. ``without_hooks``: ids of
+    hook handles (``RemovableHandle.id``) the copy leaves out as well, the caller's own, which
+    their handles cannot remove from a copy. Which attributes and hooks are FSDP's is FSDP2's
+    private layout (the composable-API state keys, hooks bound to its state objects), hence here."""
+    fsdp = fsdp_module_class()
+    if not is_sharded(module):
+        return copy.deepcopy(module)
+    memo: dict = {}
+    for sub in reversed(list(module.modules())):  # (inner sharded modules first: the outer copies find them in memo)
+        if isinstance(sub, fsdp):
+            memo[id(sub)] = _plain_copy(sub, fsdp, memo, set(without_hooks))
+    return memo[id(module)] if id(module) in memo else copy.deepcopy(module, memo)
+
+
+def _plain_copy(module: Any, fsdp: type, memo: dict, dropped: Set[int]) -> Any:
+    states = [v for k, v in module.__dict__.items() if k.startswith(_COMPOSABLE_STATE_PREFIX)]
+    owners = {id(s) for d in states if isinstance(d, dict) for s in d.values()}
+    # FSDP's hooks are methods of its state objects; the "with kwargs" / "always called" dicts
+    # name hooks by the same ids as the hook dicts
+    dropped = dropped | {k for name in ("_forward_pre_hooks", "_forward_hooks")
+                         for k, hook in module.__dict__.get(name, {}).items()
+                         if id(getattr(hook, "__self__", None)) in owners}
+    plain = object.__new__(next(c for c in type(module).__mro__ if not issubclass(c, fsdp)))
+    memo[id(module)] = plain
+    for key, value in module.__dict__.items():
+        if key.startswith(_COMPOSABLE_STATE_PREFIX):
+            continue
+        if key.startswith("_forward") and isinstance(value, dict):
+            value = type(value)((k, v) for k, v in value.items() if k not in dropped)
+        plain.__dict__[key] = copy.deepcopy(value, memo)
+    return plain
 
 
 def is_compiled_module(module: Any) -> bool:

@@ -55,7 +55,8 @@ from hyper_parallel.core.region import checkpoint, create_selective_checkpoint_c
 from hyper_parallel.core.swap_manager import SwapManager  # noqa: E402
 from hyper_parallel.core.wrapping import (checkpoint_exclude_wrapper, checkpoint_wrapper,  # noqa: E402
                                           swap_wrapper, wrap_layers)
-from hyper_parallel.planner import MemoryPlan, plan_memory, set_prober  # noqa: E402
+from hyper_parallel.planner import (MemoryPlan, PipelinePlan, pipeline_in_flight, plan_memory,  # noqa: E402
+                                    plan_pipeline, set_prober)
 
 if _SelectedProber is not None:
     set_prober(_SelectedProber())
@@ -78,4 +79,7 @@ __all__ = [
     "selected_platform",
     "plan_memory",
     "MemoryPlan",
+    "plan_pipeline",
+    "PipelinePlan",
+    "pipeline_in_flight",
 ]
