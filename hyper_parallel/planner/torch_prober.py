@@ -25,14 +25,14 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from hyper_parallel.backends.torch._shim import is_sharded, unsharded_copy, untyped_storage_key
 from hyper_parallel.backends.torch.backend import TorchBackend
 from hyper_parallel.integrations import find_layer_stack
 from hyper_parallel.tools.clock import no_gc, step_clock
-from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, mark_host
+from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, local_tensors, mark_host
 
 from .options import OpKey
 from .probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
@@ -146,7 +146,7 @@ class _Recorder(TorchDispatchMode):
         for arg in tree_leaves((args, kwargs)):
             if not (isinstance(arg, torch.Tensor) and arg.layout is torch.strided and not arg.is_meta):
                 continue
-            for t in _local_tensors(arg):  # (a DTensor reaches its local shard)
+            for t in local_tensors(arg):  # (a DTensor reaches its local shard)
                 key = _storage_key(t)
                 inputs.add(key)
                 if key not in self.created and key not in self.reached and not is_host_storage(t):
@@ -357,7 +357,7 @@ class TorchProber(ChainProber):
             segment.start += before
             segment.peak += before
         params = {_storage_key(t): t.untyped_storage().nbytes() for layer in layers for p in layer.parameters()
-                  for t in _local_tensors(p)}
+                  for t in local_tensors(p)}
         leaves = {_storage_key(leaf): leaf.untyped_storage().nbytes() for leaf, _ in state.leaves.values()}
         return StepTrace(segments, log, meter.baseline_bytes + before, meter.peak_bytes + before,
                          sum(params.values()), sum(leaves.values()), state)
@@ -459,19 +459,6 @@ def _backed(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() >= extent * t.element_size()
 
 
-def _local_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The tensors holding ``t``'s data: itself, or a wrapper subclass's inner tensors (FSDP2's
-    DTensor parameters hold their local shard)."""
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        for name in names:
-            inner = getattr(t, name)
-            if isinstance(inner, torch.Tensor):
-                yield from _local_tensors(inner)
-    else:
-        yield t
-
-
 def _parameters() -> List[torch.nn.Parameter]:
     """Every parameter alive in the process (``type`` first: ``isinstance`` on an arbitrary object
     may evaluate a ``__class__`` property, and some warn)."""
@@ -496,7 +483,7 @@ def _unrelated_bytes(recorder: _Recorder) -> int:
             if type(obj) is storage_type:
                 storages = [(untyped_storage_key(obj), obj)]
             elif issubclass(type(obj), tensor_type) and obj.layout is torch.strided:
-                storages = [(_storage_key(t), t.untyped_storage()) for t in _local_tensors(obj)]
+                storages = [(_storage_key(t), t.untyped_storage()) for t in local_tensors(obj)]
             else:
                 continue
             for key, storage in storages:

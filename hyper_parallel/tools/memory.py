@@ -142,21 +142,27 @@ def is_host_storage(t: Union[torch.Tensor, torch.UntypedStorage]) -> bool:
 # --------------------------------------------------------------------------------------
 
 
-def _storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """Yield the storages that back ``t`` (recursing into wrapper subclasses)."""
+def local_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors holding ``t``'s data: ``t`` itself, or a wrapper subclass's inner tensors,
+    recursively (a wrapper owns no data itself: FSDP2's DTensor parameters hold their local shard)."""
     if is_traceable_wrapper_subclass(t):
-        # A wrapper subclass owns no data itself; its inner tensors do.
         names, _ = t.__tensor_flatten__()
         for name in names:
             inner = getattr(t, name)
             if isinstance(inner, torch.Tensor):
-                yield from _storages_of(inner)
-        return
-    try:
-        yield t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        # Sparse / nested / functional tensors have no single untyped storage.
-        return
+                yield from local_tensors(inner)
+    else:
+        yield t
+
+
+def _storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """Yield the storages that back ``t`` (recursing into wrapper subclasses)."""
+    for inner in local_tensors(t):
+        try:
+            yield inner.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            # Sparse / nested / functional tensors have no single untyped storage.
+            continue
 
 
 class _CpuStorageTracker:
