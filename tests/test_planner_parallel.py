@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import doctest
 import threading
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 
@@ -127,9 +127,9 @@ class _Member:
         return out
 
 
-def _on_two_ranks(budget: int, **rank1: Any) -> List[Dict[str, Any]]:
-    """``plan_memory`` on two thread "ranks" (rank 1 built with ``rank1``); per rank: the plan's
-    JSON or the exception, and its prober."""
+def _on_two_ranks(budget: int, budget1: Optional[int] = None, **rank1: Any) -> List[Dict[str, Any]]:
+    """``plan_memory`` on two thread "ranks" (rank 1 built with ``rank1``, planning for ``budget1``
+    if given); per rank: the plan's JSON or the exception, and its prober."""
     group = _ThreadGroup(2)
     out: List[Dict[str, Any]] = [{}, {}]
 
@@ -137,7 +137,8 @@ def _on_two_ranks(budget: int, **rank1: Any) -> List[Dict[str, Any]]:
         prober = _FakeProber(group.member(r), **(rank1 if r == 1 else {}))
         out[r]["prober"] = prober
         try:
-            out[r]["plan"] = plan_memory([_Layer() for _ in range(3)], lambda: None, budget, prober=prober)
+            mine = budget1 if r == 1 and budget1 is not None else budget
+            out[r]["plan"] = plan_memory([_Layer() for _ in range(3)], lambda: None, mine, prober=prober)
         except Exception as exc:  # noqa: BLE001  (asserted by the tests)
             out[r]["error"] = exc
 
@@ -191,6 +192,10 @@ def test_every_failure_reaches_every_rank():
     out = _on_two_ranks(8 * MiB)
     assert all(isinstance(o.get("error"), ValueError) for o in out), out
     assert "raised on the planning rank 0" in str(out[1]["error"])
+    # the ranks pass different budgets: both raise before any work, naming them
+    out = _on_two_ranks(30 * MiB, budget1=31 * MiB)
+    assert all(isinstance(o.get("error"), ValueError) and "different budgets" in str(o["error"]) for o in out), out
+    assert out[0]["prober"].probes == out[1]["prober"].probes == 0
     # rank 1 profiles another step: both raise, naming it
     out = _on_two_ranks(30 * MiB, input_bytes=2 * MiB)
     assert all(isinstance(o.get("error"), RuntimeError) and "rank 1" in str(o["error"]) for o in out), out

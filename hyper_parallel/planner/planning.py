@@ -296,20 +296,18 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
     """
     prober = prober if prober is not None else active_prober()
     budget_bytes = parse_budget(budget)
-    plan = make_plan(layers, step_fn, lambda planner: planner.plan(budget_bytes), prober=prober, group=group,
-                     microbatches_in_flight=microbatches_in_flight, resolution=resolution)
-    if plan.budget_bytes != budget_bytes:  # (ranks of a group get the first rank's plan)
-        raise ValueError(f"plan_memory: this rank's budget is {budget_bytes} bytes, the planning rank 0's "
-                         f"{plan.budget_bytes}: every rank of a group must pass the same budget")
-    return plan
+    return make_plan(layers, step_fn, lambda planner: planner.plan(budget_bytes), prober=prober, group=group,
+                     microbatches_in_flight=microbatches_in_flight, resolution=resolution, budget=budget_bytes)
 
 
 def make_plan(layers: Any, step_fn: Callable[[], Any], answer: Callable[[Planner], MemoryPlan], *,
-              prober: Any, group: Any = None, microbatches_in_flight: int = 1, resolution: int = 2048) -> MemoryPlan:
+              prober: Any, group: Any = None, microbatches_in_flight: int = 1, resolution: int = 2048,
+              budget: Optional[int] = None) -> MemoryPlan:
     """Profile ``step_fn`` and return ``answer(planner)``, the plan a :class:`Planner` of the
     profile gives (``layers``: a stack or a model, as :func:`plan_memory` takes them): on this
     process, or (``group``: see :func:`plan_memory`) on the group's first rank with the profiles
-    and probes of every rank, the plan every rank gets made from its JSON."""
+    and probes of every rank, the plan every rank gets made from its JSON. ``budget``: this rank's,
+    which every rank of a group must share (checked first, an error on every rank)."""
     model, path = None, None
     if prober.is_layer(layers) and not prober.is_stack(layers):
         model = layers
@@ -331,6 +329,10 @@ def make_plan(layers: Any, step_fn: Callable[[], Any], answer: Callable[[Planner
     if collectives is None:
         plan = found(Planner(stack, prober.profile_step(stack, step_fn), prober, resolution, microbatches_in_flight))
     else:
+        budgets = collectives.all_gather(budget)
+        if len(set(budgets)) > 1:  # (before any work: every rank raises, none is left waiting)
+            raise ValueError(f"plan_memory: the ranks of the group passed different budgets ({budgets} bytes, by "
+                             "rank): every rank must pass the same one (for example the smallest of theirs)")
         agreeing = AgreeingProber(prober, collectives)
         profile = agreeing.profile_step(stack, step_fn)
         plan = agreeing.agree(lambda: found(Planner(stack, profile, agreeing, resolution, microbatches_in_flight)),

@@ -253,7 +253,7 @@ class TorchProber(ChainProber):
         recorder = _Recorder(state, self.key_of, self._backend.written_tensors)
         try:
             with MemoryMeter(device) as meter:
-                with recorder, no_gc():  # (as call 1 of a profile: see there)
+                with recorder:  # (the collector running, as in call 1 of a profile: see there)
                     step_fn()
         finally:
             state.restore()
@@ -342,12 +342,12 @@ class TorchProber(ChainProber):
 
         # On a CPU the step's memory is every live storage (the meter counts them all) but those it
         # has nothing to do with: alive before and after it, never read or written by it (see
-        # _unrelated_bytes). An accelerator's allocator counts all of its memory. No cyclic
-        # collection inside: when it would run depends on everything the process did before, so the
-        # bytes of data-parallel ranks would differ (by a layer of FSDP2's gathered parameters kept
-        # by a cycle, say).
+        # _unrelated_bytes). An accelerator's allocator counts all of its memory. The cyclic
+        # collector runs as it does in training: paused, it would count the garbage in reference
+        # cycles a step leaves (2 MiB of the bench GPT's 182 MiB), which training collects. (Where
+        # it runs can differ between data-parallel ranks: ranks combine the timeline at its largest.)
         try:
-            with MemoryMeter(device) as meter, recorder, no_gc(), \
+            with MemoryMeter(device) as meter, recorder, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 segments = self._segmented(layers, meter, step_fn, log.on_pre, log.on_post)
         finally:
