@@ -441,7 +441,7 @@ def format_swap_stats(results: List[Dict[str, Any]], exact: bool) -> List[str]:
     the figures mean."""
     swapped = [r for r in results if "error" not in r and ((r.get("stats") or {}).get("offloaded_bytes")
                                                            or r["stats"].get("kept_bytes"))]
-    lines = [f"swap stats {r['mode']}: {report.swap_stats_line(r['stats'])}" for r in swapped]
+    lines = [f"swap stats {_label(r['mode'])}: {report.swap_stats_line(r['stats'])}" for r in swapped]
     if lines:
         lines.append("swap stats are totals over all steps" + (
             "; on a CPU build every chained layer is offloaded, the last one too" if exact else ""))
@@ -508,10 +508,10 @@ def reading(results: List[Dict[str, Any]], exact: bool) -> str:
     # CPU step times are not a measurement of the modes (see CPU_TIMING_NOTE): not in the reading
     cost = "" if exact else " at %s none's step time" % report.fmt(
         report.ratio(low["step_time_s"], base["step_time_s"]), "%.2fx")
-    differ = [r["mode"] for r in results if r.get("matches_baseline") is False]
+    differ = [_label(r["mode"]) for r in results if r.get("matches_baseline") is False]
     losses = (f"losses differ from none for {', '.join(differ)}" if differ else
               "every mode's losses equal none's" + (" bitwise" if exact else f" within {LOSS_ATOL:g}"))
-    return f"reading: {low['mode']} has the lowest peak ({peak}){cost}; {losses}."
+    return f"reading: {_label(low['mode'])} has the lowest peak ({peak}){cost}; {losses}."
 
 
 def write_plot(path: str, results: List[Dict[str, Any]], title: str) -> None:
