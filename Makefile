@@ -36,7 +36,7 @@ test-quick: $(STAMP)
 	$(PY) -m pytest -m "not slow and not distributed" $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	@echo "==> the mode comparison: every mode trains the small GPT in its own process (7 processes: 70 s measured on 2 idle cores, 200-230 s while other jobs shared them)"
+	@echo "==> the mode comparison: every mode trains the small GPT in its own process (7 processes: 25-70 s measured on 2 idle cores of two machines, 200-230 s while other jobs shared them)"
 	$(PY) -m hyper_parallel.bench
 
 install: $(STAMP)
