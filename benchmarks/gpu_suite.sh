@@ -154,8 +154,11 @@ else
         | tee -a "$SUMMARY"
 fi
 
+# (planner.py refuses --plot without matplotlib, before it runs anything: ask for the chart only where it can be drawn)
+PLAN_PLOT=()
+"$PYTHON" -c "import matplotlib" > /dev/null 2>&1 && PLAN_PLOT=(--plot "$OUT_DIR/planner.png")
 stage planner "$T_PLAN" "$PYTHON" benchmarks/planner.py --device "$DEVICE" "${PLAN[@]}" \
-    --json "$OUT_DIR/planner.json" --plot "$OUT_DIR/planner.png"
+    --json "$OUT_DIR/planner.json" ${PLAN_PLOT[@]+"${PLAN_PLOT[@]}"}
 
 echo "total $(( $(date +%s) - START ))s; results in $OUT_DIR" | tee -a "$SUMMARY"
 exit $FAILED
