@@ -150,3 +150,23 @@ def test_a_module_of_fsdp_imported_later_is_still_recognised():
             "print(_shim.fsdp_module_class() is FSDPModule)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True", out.stdout + out.stderr
+
+
+def test_both_probers_have_every_method_of_the_prober_protocol():
+    """What the planner may call of a prober (``planner/prober.py``'s ``Prober``) exists on each
+    framework's (read from the source: MindSpore need not be installed here), itself or inherited
+    from ``ChainProber`` (MindSpore once lacked ``measure_step``)."""
+    from hyper_parallel.planner.prober import Prober
+
+    wanted = {name for name, value in vars(Prober).items() if callable(value) and not name.startswith("_")}
+
+    def methods(path, name):
+        tree = ast.parse(open(os.path.join(PLANNER, path)).read())
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+        return {f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+    shared = methods("probing.py", "ChainProber")
+    assert {"profile_step", "probe", "op_seconds"} <= wanted
+    for path, name in (("torch_prober.py", "TorchProber"), ("mindspore_prober.py", "MindSporeProber")):
+        missing = sorted(wanted - methods(path, name) - shared)
+        assert not missing, f"{name} lacks {missing} of the Prober protocol"

@@ -398,3 +398,26 @@ def test_the_framework_neutral_modules_examples_run():
     for module in (segments, gc_pause):
         result = doctest.testmod(module, verbose=False)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_layers_whose_parameters_are_wrapper_tensors_are_refused_clearly():
+    """FSDP2 applied only above the layers (or tensor parallelism) leaves DTensor parameters on a
+    plain layer, which the probes cannot copy; a wrapper subclass (``TwoTensor``, as DTensor one)
+    stands in for them here: a clear ValueError, not an error from inside a probe."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+    for layer in layers:
+        w = layer.weight.detach()
+        layer.weight = torch.nn.Parameter(TwoTensor(w.clone(), w.clone()))
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step():
+        h = x
+        for layer in layers:
+            h = layer(h)
+        h.sum().backward()
+
+    with pytest.raises(ValueError, match="sharded tensors .* Apply fully_shard to every layer"):
+        plan_memory(layers, step, "1GiB")
+    SwapManager().reset()

@@ -34,7 +34,7 @@ class _Layer:
     """A layer of the synthetic framework (the fake prober's ``is_layer``)."""
 
 
-def _profile(layers: int, slow: float, peak_shift: int = 0, input_bytes: int = MiB) -> StepProfile:
+def _profile(layers: int, slow: float, peak_shift: int = 0, input_bytes: int = MiB, device: str = "cpu") -> StepProfile:
     """Three layers of one kind, each saving 8 MiB; times scaled by ``slow``, the first layer's
     forward peaking ``peak_shift`` bytes higher."""
     ops = [OpRecord(OpKey("mm", ((8, 8), (8, 8))), 4 * MiB, True, expensive=True),
@@ -46,7 +46,7 @@ def _profile(layers: int, slow: float, peak_shift: int = 0, input_bytes: int = M
         segments += [Segment("fwd", j, (10 + 8 * j) * MiB, (11 + 8 * j) * MiB + (peak_shift if j == 0 else 0)),
                      Segment("gap", j, (10 + 8 * (j + 1)) * MiB, (10 + 8 * (j + 1)) * MiB)]
     segments += [Segment("bwd", j, (10 + 8 * (j + 1)) * MiB, (12 + 8 * (j + 1)) * MiB) for j in range(layers - 1, -1, -1)]
-    return StepProfile("cpu", segments, records, {"T": LayerType("T", list(range(layers)), records[0])},
+    return StepProfile(device, segments, records, {"T": LayerType("T", list(range(layers)), records[0])},
                        10 * MiB, max(s.peak for s in segments), 0.1 * slow, 4 * MiB, 4 * MiB, 1e9, False)
 
 
@@ -56,8 +56,10 @@ class _FakeProber:
 
     name = "fake"
 
-    def __init__(self, group: Any, slow: float = 1.0, input_bytes: int = MiB, failing_probe: bool = False) -> None:
+    def __init__(self, group: Any, slow: float = 1.0, input_bytes: int = MiB, failing_probe: bool = False,
+                 probe_extra: int = 0) -> None:
         self.group, self.slow, self.input_bytes, self.failing_probe = group, slow, input_bytes, failing_probe
+        self.probe_extra = probe_extra  # (bytes this rank's probes see more: ranks that disagree)
         self.probes = 0
 
     def collectives(self, group: Any) -> Any:
@@ -76,7 +78,7 @@ class _FakeProber:
             raise RuntimeError("the probe ran out of something")
         drop = -8 * MiB if option.kind == "swap" or option.whole_recompute else -4 * MiB
         effect = {r: drop for r in RELATIONS}
-        effect.update(own_fwd=0, last_fwd=0, own_bwd=0, last_bwd=0, after=0)
+        effect.update(own_fwd=self.probe_extra, last_fwd=0, own_bwd=0, last_bwd=0, after=0)
         return Effect(effect, (0.006 if option.kind == "swap" else 0.004) * self.slow, measured=True), reference
 
     @staticmethod
@@ -163,6 +165,9 @@ def test_ranks_combine_times_and_timelines_at_their_maximum_and_refuse_different
     combined = combine_profiles(fast, [summarize(fast), summarize(later)])
     assert combined.segments[1].peak == fast.segments[1].peak + 4096 and combined.segments[2:] == fast.segments[2:]
     assert combined.peak_bytes == max(s.peak for s in combined.segments) and "up to 4096 bytes" in combined.notes[-1]
+    # each rank has its own accelerator: the device's kind must agree, not its index
+    on_one, on_other = _profile(3, 1.0, device="cuda:0"), _profile(3, 1.0, device="cuda:1")
+    assert combine_profiles(on_one, [summarize(on_one), summarize(on_other)]).device == "cuda:0"
     other = _profile(3, 1.0, input_bytes=2 * MiB)  # rank 1 runs another step (larger inputs)
     with pytest.raises(RuntimeError, match=r"layer 0: input bytes is \d+ on rank 0 and \d+ on rank 1"):
         combine_profiles(fast, [summarize(fast), summarize(other)])
@@ -199,6 +204,10 @@ def test_every_failure_reaches_every_rank():
     # rank 1 profiles another step: both raise, naming it
     out = _on_two_ranks(30 * MiB, input_bytes=2 * MiB)
     assert all(isinstance(o.get("error"), RuntimeError) and "rank 1" in str(o["error"]) for o in out), out
+    # rank 1's probes measure other bytes: both raise the disagreement, and rank 0 sends nothing after it
+    # (a message nobody receives would leave it waiting, or pair with the group's next collective)
+    out = _on_two_ranks(30 * MiB, probe_extra=4096)
+    assert all(isinstance(o.get("error"), RuntimeError) and "disagree on the probe" in str(o["error"]) for o in out), out
     # a probe raising on rank 1 (the serving one): its own error there, a RuntimeError naming it on rank 0
     out = _on_two_ranks(30 * MiB, failing_probe=True)
     assert "ran out of something" in str(out[1]["error"])

@@ -327,7 +327,7 @@ def test_the_measured_peak_is_within_the_budget(setup):
     for plan in (setup.tight, setup.loose):
         model = _applied(plan)
         _step_of(model)()  # (first step: the host pool, one-off allocations)
-        measured = active_prober().step_peak(list(model.layers), _step_of(model))
+        measured = active_prober().measure_step(None, _step_of(model), list(model.layers))
         assert measured <= plan.budget_bytes, (format_bytes(measured), plan.report())
         SwapManager().reset()
 
@@ -341,7 +341,7 @@ def test_the_plan_fits_the_budget_by_the_count_the_planner_predicts_with(setup):
     for plan in (setup.tight, setup.loose):
         model = _applied(plan)
         _step_of(model)()  # (first step: the host pool)
-        counted = active_prober().step_peak(list(model.layers), _step_of(model))
+        counted = active_prober().measure_step(None, _step_of(model), list(model.layers))
         assert counted <= plan.budget_bytes, (format_bytes(counted), plan.report())
         assert abs(counted - plan.predicted_peak_bytes) <= 0.1 * counted, (counted, plan.predicted_peak_bytes)
         SwapManager().reset()

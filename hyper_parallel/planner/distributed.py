@@ -57,7 +57,8 @@ def summarize(profile: StepProfile) -> Dict[str, Any]:
     """What ranks compare of a profile, as plain values under readable names: everything in bytes
     (compared exactly) and, under ``"timeline"`` (each segment's bytes at its start and its
     peak), ``"times"`` and ``"copy bytes/s"``, what is combined instead."""
-    out: Dict[str, Any] = {"device": profile.device, "copies overlap compute": profile.overlaps}
+    # (the device's kind: each rank has its own accelerator, cuda:0, cuda:1, ...)
+    out: Dict[str, Any] = {"device": profile.device.split(":")[0], "copies overlap compute": profile.overlaps}
     for r in profile.layers:
         out[f"layer {r.index}"] = {
             "kind": r.type_key, "input bytes": r.input_bytes,
@@ -190,11 +191,13 @@ class AgreeingProber:
         return self._profile
 
     def op_seconds(self, ltype: LayerType) -> Dict[OpKey, float]:
+        """The op times of ``ltype`` on every rank (rank 0 asks the others), combined: the slowest."""
         self._ask(("op_seconds", ltype.key))
         return self._op_seconds(ltype.key)
 
     def probe(self, ltype: LayerType, option: LayerOption, seen: Sequence[OpKey],
               reference: Optional[Any] = None) -> Tuple[Effect, Any]:
+        """The probe of ``option`` on every rank (rank 0 asks the others), combined: bytes equal, seconds the slowest."""
         self._ask(("probe", ltype.key, option, tuple(seen)))
         return self._probe(ltype.key, option, seen, reference), self._references[ltype.key]
 
@@ -240,7 +243,7 @@ class AgreeingProber:
     def _op_seconds(self, key: str) -> Dict[OpKey, float]:
         what = f"the op times of {key}"
         times, _ = self._gather(what, lambda: self.inner.op_seconds(self._type(key)))
-        return combine_op_seconds(times, what)
+        return self._agreed(combine_op_seconds, times, what)
 
     def _probe(self, key: str, option: LayerOption, seen: Sequence[OpKey], reference: Any) -> Effect:
         what = f"the probe of {option.name()} on {key}"
@@ -250,7 +253,16 @@ class AgreeingProber:
             return effect
 
         effects, _ = self._gather(what, run)
-        return combine_effects(effects, what)
+        return self._agreed(combine_effects, effects, what)
+
+    def _agreed(self, combine: Callable[..., Any], *args: Any) -> Any:
+        """``combine(*args)`` of gathered values: it raises alike on every rank (the same data),
+        so every rank knows, and rank 0 sends no error for the others to hear (they left)."""
+        try:
+            return combine(*args)
+        except Exception:
+            self._broken = True
+            raise
 
     def _gather(self, what: str, compute: Callable[[], Any],
                 share: Callable[[Any], Any] = lambda value: value) -> Tuple[List[Any], Any]:
@@ -267,6 +279,7 @@ class AgreeingProber:
         everyone = self.group.all_gather((what, mine))
         for rank, (their_what, _) in enumerate(everyone):
             if their_what != what:
+                self._broken = True  # (every rank sees the same list: every rank raises)
                 raise RuntimeError(f"plan_memory: the data-parallel ranks went apart: rank {rank} is at "
                                    f"{their_what!r}, rank {self.group.rank} at {what!r}")
         failed = [(rank, msg) for rank, (_, (status, msg)) in enumerate(everyone) if status == "error"]

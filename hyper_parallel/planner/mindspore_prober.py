@@ -765,15 +765,15 @@ class MindSporeProber(ChainProber):
         """Nothing: MindSpore returns gradients and keeps none on the parameters."""
 
     # ------------------------------------------------------------------ the step
-    def step_peak(self, layers: Sequence[nn.Cell], step_fn: Callable[[], Any]) -> int:
+    def measure_step(self, device: Any, step_fn: Callable[[], Any], layers: Sequence[nn.Cell] = ()) -> int:
         """The peak device memory of one ``step_fn()`` as the planner counts it (the budget's
-        quantity; ``layers`` mark the segments): MindSpore's allocator on Ascend / GPU (measured),
-        the live-tensor count on a CPU (estimated, see the module docstring). Puts back what the
-        step changes, as profiling does."""
-        return self._instrumented(layers, step_fn, self.device()).peak_bytes
+        quantity): MindSpore's allocator on Ascend / GPU (measured), the live-tensor count on a CPU
+        (estimated, see the module docstring); ``device`` is the context's (one per process),
+        ``layers`` may mark the segments. Puts back what the step changes, as profiling does."""
+        return self._instrumented(list(layers), step_fn, self.device()).peak_bytes
 
     def _instrumented(self, layers: Sequence[nn.Cell], step_fn: Callable[[], Any], device: Any) -> StepTrace:
-        _backend().check_ready("plan_memory")  # (PyNative only: profiling and step_peak run the step here first)
+        _backend().check_ready("plan_memory")  # (PyNative only: profiling and measure_step run the step here first)
         cpu = _accelerator() is None
         state = _StepState()
         state.save_rng()

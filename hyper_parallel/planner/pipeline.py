@@ -22,13 +22,14 @@ The plans wrap layers; the schedule orchestrates micro-batches. A planned stage 
 its own layer chain (one group per layer, each forward's tensors apart from the next forward's),
 so the stage needs no ``pipeline_swap`` on top; ``pipeline_recompute`` is for schedules that split
 a backward in two halves (zero-bubble), which run several stages per rank: plan those stages with
-``plan_memory(..., microbatches_in_flight=pipeline_in_flight(schedule)[s])`` and add
+``plan_memory(..., microbatches_in_flight=pipeline_in_flight(schedule)[s], group=False)`` (each
+stage alone: under ``torch.distributed`` the default group is every rank) and add
 ``pipeline_recompute(schedule)``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .budget import format_bytes, parse_budget
 from .plan import MemoryPlan, active_prober
@@ -161,8 +162,8 @@ def _in_flight(view: Any) -> Dict[int, int]:
     if not actions:
         raise ValueError(f"plan_pipeline: cannot read how many micro-batches each stage of a {view.kind} holds: it has "
                          "no action order (pipeline_order). Plan each stage with plan_memory(stage_layers, "
-                         "step_fn, budget, microbatches_in_flight=k), k being the most micro-batches whose forward "
-                         "has run and whose backward has not.")
+                         "step_fn, budget, microbatches_in_flight=k, group=False), k being the most micro-batches whose "
+                         "forward has run and whose backward has not (group=False: each stage plans alone).")
     return in_flight_counts(actions)
 
 
@@ -209,6 +210,8 @@ class PipelinePlan:
         return self
 
     def report(self) -> str:
+        """The stage plan's report (``MemoryPlan.report``) with the pipeline's lines: in-flight counts, the
+        schedule's reserved bytes, the predicted step of the whole pipeline."""
         lines = [f"pipeline plan, stage {self.stage} of {len(self.in_flight)} ({type(self.schedule).__name__}): "
                  f"budget {format_bytes(self.budget_bytes)}",
                  f"  micro-batches in flight per stage: {dict(sorted(self.in_flight.items()))}",
@@ -256,7 +259,7 @@ def plan_pipeline(schedule: Any, budget: Union[int, str], *args: Any, target: An
         raise ValueError(
             f"plan_pipeline: this rank runs stages {[s.index for s in view.stages]} of a {view.kind}; plan_pipeline "
             "plans one stage per rank. Plan each stage's layers with plan_memory(..., microbatches_in_flight="
-            "pipeline_in_flight(schedule)[s]) and budgets that add up to this rank's.")
+            "pipeline_in_flight(schedule)[s], group=False) and budgets that add up to this rank's.")
     stage = view.stages[0]
     actions = view.actions()
     in_flight = _in_flight(view)
@@ -273,13 +276,26 @@ def plan_pipeline(schedule: Any, budget: Union[int, str], *args: Any, target: An
                           f"rank, {reserved} more than the stage's model: the schedule's own buffers, reserved")
         return plan
 
-    with view.gradients_allocated(stage):  # (profiled as a micro-batch after the first: gradients accumulate)
-        plan = make_plan(stage.module, step_fn, answer, prober=prober,
-                         group=False if group is None else group, microbatches_in_flight=k, resolution=resolution)
-    mine = {stage.index: ((plan.reference_forward_s, plan.predicted_step_s - plan.reference_forward_s),
-                          (plan.reference_forward_s, plan.reference_step_s - plan.reference_forward_s))}
+    failure: Optional[Exception] = None
+    try:
+        with view.gradients_allocated(stage):  # (profiled as a micro-batch after the first: gradients accumulate)
+            plan = make_plan(stage.module, step_fn, answer, prober=prober, group=False if group is None else group,
+                             microbatches_in_flight=k, resolution=resolution,
+                             budget=None if group in (None, False) else budget_bytes)
+        mine: Any = ("ok", {stage.index: ((plan.reference_forward_s, plan.predicted_step_s - plan.reference_forward_s),
+                                          (plan.reference_forward_s, plan.reference_step_s - plan.reference_forward_s))})
+    except Exception as exc:  # noqa: BLE001  (re-raised below, once every stage has heard of it)
+        failure, mine = exc, ("error", f"{type(exc).__name__}: {exc}")
+    # Every stage takes part in the gather, a failed one too: a stage whose plan failed (no plan
+    # fits its share of the budget, say) must not leave the others waiting for its times.
+    answers = view.collectives().all_gather(mine)
+    if failure is not None:
+        raise failure
+    failed = [(s, msg) for s, (status, msg) in enumerate(answers) if status == "error"]
+    if failed:
+        raise RuntimeError(f"plan_pipeline: planning failed on pipeline rank {failed[0][0]}: {failed[0][1]}")
     everyone: Dict[int, Any] = {}
-    for part in view.collectives().all_gather(mine):
+    for _, part in answers:
         everyone.update(part)
     return PipelinePlan(schedule, actions, stage.index, plan, budget_bytes, in_flight, measured,
                         {s: v[0] for s, v in everyone.items()}, {s: v[1] for s, v in everyone.items()})

@@ -25,11 +25,13 @@ class TorchCollectives:
         self._first = dist.get_global_rank(group, 0) if group is not None else 0
 
     def all_gather(self, obj: Any) -> List[Any]:
+        """``obj`` of every rank of the group, in rank order (``all_gather_object``)."""
         out: List[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast(self, obj: Any) -> Any:
+        """The group's first rank's ``obj``, on every rank (``broadcast_object_list``)."""
         box = [obj]
         dist.broadcast_object_list(box, src=self._first, group=self.group)
         return box[0]

@@ -82,6 +82,7 @@ class TorchPipeline:
 
     @property
     def kind(self) -> str:
+        """The schedule's class name, for messages and the report."""
         return type(self.schedule).__name__
 
     def actions(self) -> Optional[Dict[int, List[Tuple[int, str, Optional[int]]]]]:

@@ -421,6 +421,12 @@ class _ProbeInput:
         # now, and the probes run copies of it as a plain module on them (no collective), without
         # the profile's ``hooks`` (their handles remove them from the layer, not from a copy).
         self.layer = unsharded_copy(layer, [h.id for h in hooks]) if is_sharded(layer) else layer
+        if any(next(local_tensors(p)) is not p for p in self.layer.parameters()):
+            raise ValueError(
+                f"plan_memory: the parameters of {type(layer).__name__} are sharded tensors (DTensor) but the layer "
+                "is no FSDP2 module of its own (fully_shard applied only above it, or tensor parallelism): the "
+                "planner probes plain copies of a layer. Apply fully_shard to every layer (and the root), as FSDP2 "
+                "is usually applied, or plan before sharding.")
         self.outside: List[torch.Tensor] = []  # tensors outside the layer a run writes in place
         x = args[0]
         self.device = x.device
