@@ -374,11 +374,11 @@ DIM, HIDDEN, LAYERS_PER_STAGE, N_MB, BATCH = 32, 128, 2, 4, 8
 
 
 class MLPBlock(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, DIM)
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(F.gelu(self.fc1(self.norm(x))))

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyper_parallel.planner import pipeline_step_seconds
+from support.dist_utils import MLPBlock
 
 LR = 0.1
 
@@ -32,6 +33,16 @@ def _api():
 def _meter(*track: Any):
     from hyper_parallel.tools.memory import MemoryMeter
     return MemoryMeter("cpu", track=list(track), scan_gc=False)
+
+
+def _unplanned_and_budget(model: nn.Module, step: Callable[[], None], *inputs: Any) -> "tuple[int, int]":
+    """This rank's measured peak of one unplanned step, and the group's budget: 0.8x the smallest
+    rank's (one budget for the group: the ranks' peaks can differ a little)."""
+    model.zero_grad(set_to_none=True)
+    with _meter(model, *inputs) as meter:
+        step()
+    model.zero_grad(set_to_none=True)
+    return meter.peak_bytes, int(0.8 * min(_gather(meter.peak_bytes)))
 
 
 def _digest(tensors: List[torch.Tensor]) -> str:
@@ -101,12 +112,7 @@ def scenario_agree_ddp(rank: int, world: int) -> Dict[str, Any]:
         ddp(x, y).backward()
 
     step()  # (DDP's first step rebuilds its buckets)
-    model.zero_grad(set_to_none=True)
-    with _meter(model, x, y) as meter:
-        step()
-    model.zero_grad(set_to_none=True)
-    unplanned = meter.peak_bytes
-    budget = int(0.8 * min(_gather(unplanned)))  # (one budget for the group: the ranks' peaks can differ a little)
+    unplanned, budget = _unplanned_and_budget(model, step, x, y)
     t0 = time.perf_counter()
     plan = ac.plan_memory(model.layers, step, budget)  # (torch.distributed is initialized: the ranks agree)
     plan_s = time.perf_counter() - t0
@@ -187,12 +193,7 @@ def scenario_fsdp2(rank: int, world: int) -> Dict[str, Any]:
         model(x, y).backward()
 
     step()  # (FSDP's lazy initialisation)
-    model.zero_grad(set_to_none=True)
-    with _meter(model, x, y) as meter:
-        step()
-    model.zero_grad(set_to_none=True)
-    unplanned = meter.peak_bytes
-    budget = int(0.8 * min(_gather(unplanned)))  # (one budget for the group: the ranks' peaks can differ a little)
+    unplanned, budget = _unplanned_and_budget(model, step, x, y)
     plan = ac.plan_memory(model.layers, step, budget)
     text = plan.to_json()
     left_as_found = all(p.grad is None for p in model.parameters())
@@ -225,20 +226,9 @@ def scenario_fsdp2(rank: int, world: int) -> Dict[str, Any]:
 DIM, HIDDEN, SEQ, BATCH, MICROBATCHES, PER_STAGE = 64, 256, 32, 8, 4, 3
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
 def _blocks(world: int) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*[Block() for _ in range(PER_STAGE * world)])
+    return nn.Sequential(*[MLPBlock(DIM, HIDDEN) for _ in range(PER_STAGE * world)])
 
 
 def _stage_module(rank: int, world: int, plan_text: Optional[str] = None) -> nn.Sequential:
