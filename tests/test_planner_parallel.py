@@ -328,3 +328,16 @@ def test_pipeline_stages_fit_one_budget_each_for_its_micro_batches(ranks):
     assert r0["kept_per_microbatch"] < r1["kept_per_microbatch"]
     # the pipeline with a plan per stage is faster than with the first stage's plan on both (predicted)
     assert r0["predicted_step_s"] < r0["predicted_uniform_step_s"]
+
+
+def test_a_pipeline_stage_that_cannot_fit_the_budget_fails_on_every_stage(ranks):
+    """One budget between the stages' smallest reachable peaks: the stage it is too small for raises
+    the planner's ValueError, the other a RuntimeError naming that stage, and neither waits for the
+    other (the scenario ends)."""
+    r0, r1 = _results(ranks, "pipeline")
+    mins = r0["min_budgets"]
+    assert mins == r1["min_budgets"] and mins[0] != mins[1], mins
+    short = 0 if mins[0] > mins[1] else 1
+    failures = [r0["tight_failure"], r1["tight_failure"]]
+    assert failures[short] and failures[short].startswith("ValueError: plan_memory: no plan fits"), failures
+    assert failures[1 - short] and f"planning failed on pipeline rank {short}" in failures[1 - short], failures

@@ -289,6 +289,16 @@ def scenario_pipeline(rank: int, world: int) -> Dict[str, Any]:
             run["step"]()
             run["times"].append(time.perf_counter() - t0)
             run["module"].zero_grad(set_to_none=True)
+    # a budget between the stages' smallest reachable peaks: the stage that cannot fit it fails, and
+    # the other hears of it (instead of waiting for its times)
+    mins = _gather(plan.plan.min_budget_bytes)
+    failure = None
+    try:
+        tight = (min(mins) + max(mins)) // 2
+        fresh = _schedule(_stage_module(rank, world), rank, world)
+        ac.plan_pipeline(fresh, tight, x) if rank == 0 else ac.plan_pipeline(fresh, tight, target=y)
+    except Exception as exc:  # noqa: BLE001  (the test reads it)
+        failure = f"{type(exc).__name__}: {exc}"
     extra0 = plan.stage_seconds[0][1] - plan.reference_stage_seconds[0][1]  # what the first stage's plan adds
     uniform_seconds = {s: (f, b + extra0) for s, (f, b) in plan.reference_stage_seconds.items()}
     # one SGD step of the planned pipeline against one process accumulating the micro-batches' gradients
@@ -317,7 +327,7 @@ def scenario_pipeline(rank: int, world: int) -> Dict[str, Any]:
             "predicted_uniform_step_s": pipeline_step_seconds(plan.actions, uniform_seconds),
             "measured_step_s": statistics.median(runs["planned"]["times"]),
             "measured_uniform_step_s": statistics.median(runs["uniform"]["times"]),
-            "plan_s": round(plan_s, 2), "left_as_found": left_as_found,
+            "plan_s": round(plan_s, 2), "left_as_found": left_as_found, "min_budgets": mins, "tight_failure": failure,
             "params_bitwise": all(torch.equal(a, b) for a, b in zip(mine, theirs)),
             "max_diff": max(float((a - b).abs().max()) for a, b in zip(mine, theirs))}
 
