@@ -280,8 +280,7 @@ def plan_pipeline(schedule: Any, budget: Union[int, str], *args: Any, target: An
     try:
         with view.gradients_allocated(stage):  # (profiled as a micro-batch after the first: gradients accumulate)
             plan = make_plan(stage.module, step_fn, answer, prober=prober, group=False if group is None else group,
-                             microbatches_in_flight=k, resolution=resolution,
-                             budget=None if group in (None, False) else budget_bytes)
+                             microbatches_in_flight=k, resolution=resolution, budget=budget_bytes)
         mine: Any = ("ok", {stage.index: ((plan.reference_forward_s, plan.predicted_step_s - plan.reference_forward_s),
                                           (plan.reference_forward_s, plan.reference_step_s - plan.reference_forward_s))})
     except Exception as exc:  # noqa: BLE001  (re-raised below, once every stage has heard of it)
