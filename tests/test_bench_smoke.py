@@ -30,7 +30,13 @@ from hyper_parallel.bench.modes import (
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Only a guard against a hung subprocess, never a speed check: a busy machine must not fail a test.
 HANG_GUARD_S = 60 * 60
-TINY_ARGS = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "2"]
+# One intra-op thread in every worker: the losses of separate processes are compared bitwise, and
+# with torch's default (two threads here) the "none" process, in 2 of about 8 full-suite runs and
+# never alone, differed from every other mode in the last bits of its second loss (0x1.8fe64c
+# against 0x1.8fe64a): a process-level difference in none, taken for intra-op threading (not
+# reproduced in isolation), not a difference of the modes.
+TINY_ARGS = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "2",
+             "--threads", "1"]
 
 
 def _run_bench(extra, tmp_path, name):
