@@ -199,15 +199,27 @@ def test_wrap_layers_on_the_stack_takes_the_same_route():
     assert SwapManager().stats()["offloaded_bytes"] > 0
 
 
-def test_gpt2_blocks_wrapped_alone_get_the_cache_positionally_a_clear_error():
-    # GPT-2 hands its blocks the cache positionally, unless GPT2Model itself knows its blocks are
-    # checkpointed: wrap_layers on model.transformer.h alone cannot tell it, the argument check
-    # names the cache and the fix; wrap_model can.
+@pytest.mark.parametrize("wrapping", ["whole", "selective"])
+def test_gpt2_blocks_wrapped_alone_train_bitwise(wrapping):
+    # GPT-2's model hands its blocks the cache positionally; a checkpointed block drops it itself
+    # (the rule is per layer), so wrap_layers on model.transformer.h alone trains like the plain
+    # model, without wrap_model's model-level flag.
+    # (the reference trains with the cache off, as the recomputed blocks do: see above)
+    plain = build("gpt2")
+    wrapped = copy.deepcopy(plain)
+    wrap_layers(wrapped.transformer.h, **WRAPPINGS[wrapping])
+    assert_same_training(train(plain, use_cache=False), train(wrapped), plain, wrapped)
+
+
+def test_only_the_checkpointed_layers_leave_the_cache():
+    # A plan wraps some layers: the others keep writing the model's cache as its defaults say.
     model = build("gpt2")
-    wrap_layers(model.transformer.h)
+    checkpoint_wrapper(model.transformer.h[0])
+    checkpoint_wrapper(model.transformer.h[2])
     ids = batch(0)
-    with pytest.raises(RuntimeError, match=r"changed its argument `cache` \(a DynamicCache\).*wrap_model"):
-        model(input_ids=ids, labels=ids)
+    cache = model(input_ids=ids, labels=ids).past_key_values
+    lengths = [cache.get_seq_length(i) for i in range(4)]
+    assert lengths == [0, SEQ, 0, SEQ], lengths
 
 
 def test_hugging_face_gradient_checkpointing_and_a_wrapper_do_not_mix():
@@ -242,7 +254,7 @@ def test_a_wrapped_model_pickles_and_deep_copies_with_its_route():
 def test_docstring_examples():
     result = doctest.testmod(hf_integration, verbose=False)
     assert result.attempted > 0 and result.failed == 0
-    assert hf_integration.__all__ == ["checkpoint_above", "wrap_model", "HF_LAYERS"]
+    assert hf_integration.__all__ == ["checkpoint_above", "wrap_model", "family_of"]
 
 
 @pytest.mark.slow

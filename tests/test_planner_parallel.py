@@ -92,9 +92,6 @@ class _FakeProber:
     def wrap(self, layer, option, seen):
         return None
 
-    def after_wrap(self, model, layers, recomputes):
-        pass
-
 
 class _ThreadGroup:
     """Object collectives between threads (each thread one "rank"); a rank that never arrives

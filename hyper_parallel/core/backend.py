@@ -350,6 +350,13 @@ class Backend(abc.ABC):
         """True for an ``nn.Module`` / ``nn.Cell``."""
 
     @abc.abstractmethod
+    def self_checkpointing_family(self, cls: type) -> Any:
+        """The :class:`~hyper_parallel.core.wrapping.SelfCheckpointing` family of a module class
+        from a model library of this framework that checkpoints its layers itself (Hugging Face's
+        ``GradientCheckpointingLayer``), or ``None``: wrapping recognises such a layer wherever
+        it meets one, with no import the user must know about."""
+
+    @abc.abstractmethod
     def module_storage_ids(self, module: Module) -> Set[int]:
         """:meth:`storage_id` of every parameter and buffer of ``module`` and its sub-modules (read
         on every call of a swap region: they are never swap candidates)."""

@@ -9,8 +9,8 @@ original, and checkpoints load either way. A function is wrapped into a new call
 
 A module takes one wrapper: wrapping it again, with the same or another wrapper, is a
 ``ValueError`` that says which one to keep. Modules of a family that decides itself when to
-checkpoint its forward (Hugging Face's ``GradientCheckpointingLayer``, registered by
-:mod:`hyper_parallel.integrations.transformers` as a :class:`SelfCheckpointing`) are not given a
+checkpoint its forward (Hugging Face's ``GradientCheckpointingLayer``, whose
+:class:`SelfCheckpointing` the backend answers, ``Backend.self_checkpointing_family``) are not given a
 new call method by ``checkpoint_wrapper``: they are handed this library's checkpoint as the
 function they call, so their own rules (no KV cache in a checkpointed layer in training) apply.
 """
@@ -94,10 +94,12 @@ def register_self_checkpointing(family: SelfCheckpointing) -> None:
 
 
 def _family_of(cls: type) -> Optional[SelfCheckpointing]:
+    """The family ``cls`` belongs to: one registered here, else one the framework's model
+    libraries define (Hugging Face's layers, found by the backend where they are met)."""
     for family in _FAMILIES:
         if issubclass(cls, family.base):
             return family
-    return None
+    return active_backend().self_checkpointing_family(cls)
 
 
 class _Wrapped:

@@ -1,10 +1,11 @@
 """Hugging Face ``transformers`` models: their layers take this library's checkpoint through the
 models' own gradient-checkpointing hook, and :func:`wrap_model` wraps a whole model in one call.
 
-Importing this module (it imports ``transformers``) registers Hugging Face's
-``GradientCheckpointingLayer`` (the class of every decoder layer of recent ``transformers``:
-Llama, Qwen3, Qwen3-MoE, GPT-2's block, ...) as a :class:`~hyper_parallel.core.wrapping.SelfCheckpointing`
-family. From then on ``checkpoint_wrapper(layer)`` (and so ``wrap_layers``) does not give such a
+Hugging Face's ``GradientCheckpointingLayer`` (the class of every decoder layer of recent
+``transformers``: Llama, Qwen3, Qwen3-MoE, GPT-2's block, ...) is a
+:class:`~hyper_parallel.core.wrapping.SelfCheckpointing` family (:func:`family_of`), which the
+PyTorch backend hands the wrappers when they meet such a layer: no import the user must know
+about, and none of ``transformers`` here (classes are recognised by name). ``checkpoint_wrapper(layer)`` (and so ``wrap_layers``) does not give such a
 layer a new ``forward``: the layer keeps Hugging Face's, with its ``gradient_checkpointing`` flag
 on and this library's checkpoint (the layer's policy, ``swap_inputs``, options) as its
 ``_gradient_checkpointing_func``. So what Hugging Face does for a checkpointed layer stays
@@ -13,7 +14,9 @@ Hugging Face's:
 - in training (``model.train()``, gradients recorded) the layer is checkpointed, and its KV
   cache is off: ``use_cache=False``, ``cache=None`` / ``layer_past=None`` for layers that write
   the cache, with Hugging Face's one-time warning ("Caching is incompatible with gradient
-  checkpointing ..."); a recomputation cannot append to the cache a second time;
+  checkpointing ..."), and a cache passed positionally (GPT-2's blocks) is dropped too; a
+  recomputation cannot append to the cache a second time. The rule is per layer: the layers
+  left unwrapped keep writing the cache as the model's defaults say;
 - without gradients (generation) or in ``model.eval()`` the layer runs as is, cache included (as
   with Hugging Face's own gradient checkpointing, nothing is checkpointed or swapped there);
 - ``forward`` is what is checkpointed, not ``__call__``: module hooks (FSDP2's) stay outside
@@ -26,9 +29,8 @@ wrapped layer (``model.gradient_checkpointing_enable()``, ``TrainingArguments(
 gradient_checkpointing=True)``), is a ``ValueError`` that says which to keep.
 
 :func:`wrap_model` also sets the flag on the model-level modules above the stack (``LlamaModel``,
-``GPT2Model``) when it wraps for recompute, so that their own cache rules apply too: no cache is
-made in training, and GPT-2 (which passes the cache to its blocks positionally) hands its blocks
-none.
+``GPT2Model``) when it wraps the whole stack for recompute, so that their own cache rules apply
+too: no cache is made in training at all.
 
 Example::
 
@@ -50,13 +52,10 @@ import functools
 from typing import Any, Callable, List, Optional
 
 from torch import nn
-from transformers.modeling_layers import GradientCheckpointingLayer
-
-from hyper_parallel.core.activation_checkpoint import wrap_layers
-from hyper_parallel.core.wrapping import SelfCheckpointing, register_self_checkpointing
+from hyper_parallel.core.wrapping import SelfCheckpointing, wrap_layers
 from hyper_parallel.integrations.layer_stack import find_layer_stack
 
-__all__ = ["checkpoint_above", "wrap_model", "HF_LAYERS"]
+__all__ = ["checkpoint_above", "wrap_model", "family_of"]
 
 
 def _wrapper_name(kind: str) -> str:
@@ -99,10 +98,21 @@ class _Handed:
             return self
         if self.run is None:  # not a checkpointed layer: its flag is off, Hugging Face never calls this
             return functools.partial(_not_checkpointed, self.wrapper)
-        return functools.partial(self.run, obj)
+        return functools.partial(_without_positional_cache, self.run, obj)
 
     def __set__(self, obj: Any, value: Any) -> None:
         raise ValueError(_mixed(type(obj).__name__, self.wrapper))
+
+
+def _without_positional_cache(run: Callable[..., Any], layer: Any, function: Callable[..., Any], *args: Any) -> Any:
+    """Checkpoint ``function(*args)`` in ``layer``'s region without a KV cache passed positionally.
+    Hugging Face drops a cache passed by keyword to a checkpointed layer that writes it; GPT-2's
+    model hands its blocks the cache positionally (and only its own model-level flag would make it
+    hand them none). Dropping it here keeps the rule per layer: a checkpointed layer never writes
+    the cache, whatever the flag of the model above, and the other layers keep theirs."""
+    if not getattr(layer, "_can_checkpoint_with_cache", False):
+        args = tuple(None if _is_a(type(a), "Cache", "transformers.cache_utils") else a for a in args)
+    return run(layer, function, *args)
 
 
 def _not_checkpointed(wrapper: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -127,13 +137,28 @@ def _check(module: Any, kind: str) -> None:
 
 
 def _anchor() -> None:
-    """Pickled with a wrapped Hugging Face layer: unpickling imports this module, which registers
-    the family before the layer's class is rebuilt."""
+    """Pickled with a wrapped Hugging Face layer: unpickling imports this module (the backend then
+    finds the layer's family again through :func:`family_of`)."""
 
 
-#: Hugging Face's ``GradientCheckpointingLayer`` family (registered when this module is imported).
-HF_LAYERS = SelfCheckpointing(GradientCheckpointingLayer, members=_members, check=_check, anchor=_anchor)
-register_self_checkpointing(HF_LAYERS)
+def _is_a(cls: type, name: str, module: str) -> bool:
+    """Whether ``cls`` derives from the class ``module.name``, by name: this module never imports
+    ``transformers`` (a program that uses Hugging Face has, one that does not pays nothing)."""
+    return any(c.__name__ == name and c.__module__ == module for c in cls.__mro__)
+
+
+_FAMILY: List[SelfCheckpointing] = []
+
+
+def family_of(cls: type) -> Optional[SelfCheckpointing]:
+    """The family of Hugging Face's ``GradientCheckpointingLayer`` if ``cls`` is one of its layers,
+    else ``None`` (what the PyTorch backend answers the wrappers; see the module docstring)."""
+    if not _is_a(cls, "GradientCheckpointingLayer", "transformers.modeling_layers"):
+        return None
+    if not _FAMILY:
+        base = next(c for c in cls.__mro__ if c.__name__ == "GradientCheckpointingLayer")
+        _FAMILY.append(SelfCheckpointing(base, members=_members, check=_check, anchor=_anchor))
+    return _FAMILY[0]
 
 
 def _checkpointed_by_the_layers(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -224,6 +249,6 @@ def checkpoint_above(model: nn.Module, layers: Any) -> None:
     recompute; the memory planner does it for a plan that recomputes some layers)."""
     items = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
     for module in _modules_above(model, items[0]):
-        if hasattr(module, "gradient_checkpointing") and not isinstance(module, GradientCheckpointingLayer):
+        if hasattr(module, "gradient_checkpointing") and family_of(type(module)) is None:
             module.gradient_checkpointing = True
             module._gradient_checkpointing_func = _checkpointed_by_the_layers

@@ -692,10 +692,6 @@ class MindSporeProber(ChainProber):
                              f"({found[0][1]!r}, {found[1][1]!r}); pass the one to plan")
         return found[0][1], found[0][2]
 
-    @staticmethod
-    def after_wrap(model: Any, layers: Sequence[nn.Cell], recomputes: bool) -> None:
-        """Nothing: no MindSpore model needs more once its layers are wrapped."""
-
     # ------------------------------------------------------------------ parallel training
     @staticmethod
     def pipeline(schedule: Any) -> Any:
@@ -835,10 +831,10 @@ class MindSporeProber(ChainProber):
 
     @contextlib.contextmanager
     def _chain_meter(self, source: "_ProbeInput",
-                     copies: Sequence[nn.Cell]) -> Iterator[Tuple[Any, Tuple[Tensor, tuple, dict]]]:
+                     copies: Sequence[nn.Cell]) -> Iterator[Tuple[Any, List[Any]]]:
         with self._kept(source, copies, watch=False) as state:
             try:
-                inputs = source.inputs()
+                inputs = source.inputs(len(copies))
                 with contextlib.ExitStack() as stack:
                     meter, live = _meters(stack)
                     if live is meter:  # (a CPU: the gradients of the copies' parameters, see LiveTensorMeter)
@@ -910,24 +906,32 @@ class _ProbeInput:
         found = [t for key, (t, _) in state.written.items() if key not in own]
         self.outside = list({id(t): t for t in [*self.outside, *found]}.values())
 
-    def inputs(self) -> Tuple[Tensor, tuple, dict]:
-        """The input on the device: ``(activation, other arguments, keyword arguments)``. Other
-        objects among them are fresh copies for every run."""
-        args, kwargs = _tree_map(_from_host, copy.deepcopy(self._host))
-        return args[0], tuple(args[1:]), kwargs
+    def inputs(self, copies: int = 1) -> List[Any]:
+        """The input on the device for a chain of ``copies``: the activation and, per copy,
+        ``(other arguments, keyword arguments)``; other objects among them are fresh copies for
+        every copy and every run."""
+        x = None
+        calls = []
+        for _ in range(copies):
+            args, kwargs = _tree_map(_from_host, copy.deepcopy(self._host))
+            x = args[0] if x is None else x
+            calls.append((tuple(args[1:]), kwargs))
+        return [x, calls]
 
     def forward(self, layer: nn.Cell) -> Any:
-        x, rest, kwargs = self.inputs()
+        x, [(rest, kwargs)] = self.inputs()
         return layer(x, *rest, **kwargs)
 
-    def run(self, copies: Sequence[nn.Cell], inputs: Optional[Tuple[Tensor, tuple, dict]] = None) -> None:
+    def run(self, copies: Sequence[nn.Cell], inputs: Optional[List[Any]] = None) -> None:
         """Forward through the chain of copies and backward from its end (``mindspore.vjp`` with a
         cotangent of ones), as the step does."""
-        x, rest, kwargs = inputs if inputs is not None else self.inputs()
+        x, calls = inputs if inputs is not None else self.inputs(len(copies))
+        if inputs is not None:
+            inputs.clear()
         weights = [p for layer in copies for p in layer.trainable_params()]
 
         def chain(h: Tensor) -> Tensor:
-            for layer in copies:
+            for layer, (rest, kwargs) in zip(copies, calls):
                 h = hidden(layer(h, *rest, **kwargs), Tensor)
             return h
 

@@ -119,7 +119,6 @@ class MemoryPlan:
             policy = self._prober.wrap(layer, choice.option, self.seen.get(choice.type_key, ()))
             if policy is not None:
                 self.policies.append(policy)
-        self._prober.after_wrap(self.model, self.layers, any(c.option.kind == "checkpoint" for c in self.choices))
         if self.swaps:
             manager = SwapManager()
             for first, second in zip(self.layers, list(self.layers)[1:]):

@@ -68,11 +68,6 @@ class Prober(Protocol):
         """A model's layer stack: its attribute path and layers (a clear error if none)."""
         ...
 
-    def after_wrap(self, model: Any, layers: Sequence[Any], recomputes: bool) -> None:
-        """What the model around a planned stack needs once its layers are wrapped (``model`` is
-        ``None`` when a stack was planned)."""
-        ...
-
     def pipeline(self, schedule: Any) -> Any:
         """What ``plan_pipeline`` reads of a pipeline schedule and runs of it (PyTorch:
         ``torch_pipeline.TorchPipeline``): its stages here, its action order, one step, a

@@ -22,7 +22,7 @@ three copies all wrapped, against three left as they are, the fastest of several
 
 A framework's prober subclasses :class:`ChainProber` and implements its primitives (the
 abstract methods, listed in its docstring) and the ``Prober`` protocol's own framework methods
-(``is_layer``, ``is_stack``, ``find_layers``, ``after_wrap``). This module imports no framework.
+(``is_layer``, ``is_stack``, ``find_layers``). This module imports no framework.
 """
 
 from __future__ import annotations
@@ -96,17 +96,22 @@ class ProbeSource(Protocol):
     device: Any          # where the layer runs (what ``synchronize`` and ``_clock`` take)
     outside: List[Any]   # tensors outside the layer that a run writes in place (put back by ``_kept``)
 
-    def inputs(self) -> Tuple[Any, tuple, dict]:
-        """The input on the device, ``(activation, other arguments, keyword arguments)``, made
-        afresh for every run."""
+    def inputs(self, copies: int = 1) -> List[Any]:
+        """The input on the device for a chain of ``copies``, made afresh for every run:
+        ``[activation, calls]``, ``calls`` holding per copy ``(other arguments, keyword
+        arguments)`` (tensors shared, other objects, such as a cache the layer writes, one per
+        copy)."""
         ...
 
     def forward(self, layer: Any) -> Any:
         """``layer``'s forward on fresh inputs."""
         ...
 
-    def run(self, copies: Sequence[Any], inputs: Optional[Tuple[Any, tuple, dict]] = None) -> None:
-        """Forward through the chain of ``copies`` and backward from its end, as the step does."""
+    def run(self, copies: Sequence[Any], inputs: Optional[List[Any]] = None) -> None:
+        """Forward through the chain of ``copies`` and backward from its end, as the step does. It
+        takes ``inputs`` (and empties the list): what the copies were called with lives on only
+        where their autograd keeps it, as a training step drops its model's outputs (and a cache
+        in them) before the backward."""
         ...
 
 
@@ -527,7 +532,7 @@ class ChainProber(abc.ABC):
                 source.run(copies)
                 for _ in range(PROBE_REPEATS):
                     self._clear_grads(copies)
-                    inputs = source.inputs()
+                    inputs = source.inputs(len(copies))
                     self.synchronize(source.device)
                     with no_gc():
                         t0 = now()

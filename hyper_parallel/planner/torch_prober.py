@@ -12,7 +12,8 @@ every framework).
   written in place by it (BatchNorm statistics, accumulated gradients; found by the dispatch mode
   of call 1 and copied to the host before the first write), and the random number generators.
 - Probes run deep copies of a layer on a host copy of the input it received in the step
-  (:class:`_ProbeInput`; a Hugging Face KV cache left out), forward and ``backward``.
+  (:class:`_ProbeInput`; each copy with its own copy of the objects a layer writes, a
+  Hugging Face KV cache), forward and ``backward``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import sys
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, cast
 
@@ -50,8 +50,6 @@ EXPENSIVE_OPS = frozenset(str(op) for op in (
     _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default, _aten.convolution.default,
 ))
-#: imported by a program that trains Hugging Face models (it imports transformers, so not here)
-_HF_INTEGRATION = "hyper_parallel.integrations.transformers"
 
 _BACKEND = TorchBackend()
 _storage_key = _BACKEND.storage_id  # the engine's storage identity
@@ -217,25 +215,10 @@ class TorchProber(ChainProber):
     @staticmethod
     def find_layers(model: torch.nn.Module) -> Tuple[str, List[torch.nn.Module]]:
         """The layer stack of ``model`` (``find_layer_stack``: the longest ``ModuleList`` /
-        ``ModuleDict`` of same-class blocks): its attribute path and layers. A Hugging Face model
-        needs ``hyper_parallel.integrations.transformers`` imported (it hands the layers our
-        checkpoint, so that their KV cache follows Hugging Face's rules)."""
-        if type(model).__module__.startswith("transformers.") and _HF_INTEGRATION not in sys.modules:
-            raise ValueError(f"plan_memory: {type(model).__name__} is a Hugging Face model: import "
-                             f"{_HF_INTEGRATION} first (it hands Hugging Face's layers our checkpoint, so that "
-                             "their cache follows Hugging Face's rules when some layers are recomputed).")
+        ``ModuleDict`` of same-class blocks): its attribute path and layers."""
         stack = find_layer_stack(model)
         layers = list(stack.layers.values()) if isinstance(stack.layers, torch.nn.ModuleDict) else list(stack.layers)
         return stack.path, layers
-
-    @staticmethod
-    def after_wrap(model: Optional[torch.nn.Module], layers: Sequence[torch.nn.Module], recomputes: bool) -> None:
-        """What a model needs once some of its layers are wrapped: a Hugging Face model whose
-        layers recompute gets its model-level checkpointing flag (``checkpoint_above``)."""
-        integration = sys.modules.get(_HF_INTEGRATION)
-        if model is not None and recomputes and integration is not None and \
-                type(model).__module__.startswith("transformers."):
-            integration.checkpoint_above(model, layers)
 
     # ------------------------------------------------------------------ parallel training
     @staticmethod
@@ -389,9 +372,9 @@ class TorchProber(ChainProber):
 
     @contextlib.contextmanager
     def _chain_meter(self, source: "_ProbeInput",
-                     copies: Sequence[torch.nn.Module]) -> Iterator[Tuple[MemoryMeter, Tuple[Any, tuple, dict]]]:
+                     copies: Sequence[torch.nn.Module]) -> Iterator[Tuple[MemoryMeter, List[Any]]]:
         with self._kept(source, copies, watch=True):
-            inputs = source.inputs()
+            inputs = source.inputs(len(copies))
             tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
             with MemoryMeter(source.device, track=[copies, tensors], scan_gc=False) as meter, no_gc():
                 yield meter, inputs
@@ -431,30 +414,44 @@ class _ProbeInput:
         x = args[0]
         self.device = x.device
         self.requires_grad = x.requires_grad
-        args, kwargs = _without_cache(args, kwargs)
         self._host = copy.deepcopy(tree_map(_to_host, (args, kwargs)))  # (its own copy of other objects)
 
-    def inputs(self) -> Tuple[torch.Tensor, tuple, dict]:
-        """The input on the device: ``(activation, other arguments, keyword arguments)``. Other
-        objects among them are fresh copies for every run (a cache a layer appends to must not
-        grow from probe to probe)."""
-        args, kwargs = tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t,
-                                copy.deepcopy(self._host))
-        return args[0], tuple(args[1:]), kwargs
+    def inputs(self, copies: int = 1) -> List[Any]:
+        """The input on the device for a chain of ``copies``: ``[activation, calls]``, ``calls``
+        holding each copy's other arguments and keyword arguments. Tensors are shared by the
+        copies, as the step's layers share a mask or a rotary table; other objects are fresh
+        copies for each copy and every run: a Hugging Face KV cache the layer writes keeps that
+        layer's keys and values as in the step, and copies sharing one layer index must not read
+        each other's."""
+        on_device = {id(t): t.to(self.device) for t in tree_leaves(self._host) if isinstance(t, torch.Tensor)}
+        calls = []
+        for _ in range(copies):
+            args, kwargs = copy.deepcopy(self._host, dict(on_device))  # (the memo shares the tensors)
+            calls.append((tuple(args[1:]), kwargs))
+        return [on_device[id(self._host[0][0])], calls]
 
     def forward(self, layer: torch.nn.Module) -> Any:
-        x, rest, kwargs = self.inputs()
+        x, [(rest, kwargs)] = self.inputs()
         return layer(x, *rest, **kwargs)
 
-    def run(self, copies: Sequence[torch.nn.Module], inputs: Optional[Tuple[torch.Tensor, tuple, dict]] = None) -> None:
+    def run(self, copies: Sequence[torch.nn.Module], inputs: Optional[List[Any]] = None) -> None:
         """Forward through the chain of copies and backward from its end, as the step does: the
-        input is a fresh activation (a non-leaf where the step's required grad)."""
-        x, rest, kwargs = inputs if inputs is not None else self.inputs()
-        h = x.detach().requires_grad_(True).clone() if self.requires_grad else x
-        for layer in copies:
-            h = hidden(layer(h, *rest, **kwargs), torch.Tensor)
+        input is a fresh activation (a non-leaf where the step's required grad). The run takes
+        ``inputs`` (the list is emptied): the objects the copies were called with die with the
+        forward, as a model's cache dies with the output a training step drops before backward,
+        and what lives on is what the copies' autograd keeps of them."""
+        inputs = inputs if inputs is not None else self.inputs(len(copies))
+        h = self._forward_chain(copies, inputs)
         if h.requires_grad:
             h.backward(torch.ones_like(h))
+
+    def _forward_chain(self, copies: Sequence[torch.nn.Module], inputs: List[Any]) -> torch.Tensor:
+        x, calls = inputs
+        inputs.clear()
+        h = x.detach().requires_grad_(True).clone() if self.requires_grad else x
+        for layer, (rest, kwargs) in zip(copies, calls):
+            h = hidden(layer(h, *rest, **kwargs), torch.Tensor)
+        return h
 
 
 def _backed(t: torch.Tensor) -> bool:
@@ -501,23 +498,6 @@ def _unrelated_bytes(recorder: _Recorder) -> int:
     finally:
         del objs
     return total
-
-
-def _is_hf_cache(x: Any) -> bool:
-    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(x).__mro__)
-
-
-def _without_cache(args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-    """A layer's arguments for probes, a Hugging Face KV cache left out (``None``, ``use_cache``
-    off): copies of one layer share its layer index, so they would read each other's keys, and a
-    recomputed layer trains without a cache anyway."""
-    if not any(_is_hf_cache(a) for a in (*args, *kwargs.values())):
-        return args, kwargs
-    args = tuple(None if _is_hf_cache(a) else a for a in args)
-    kwargs = {k: (None if _is_hf_cache(v) else v) for k, v in kwargs.items()}
-    if "use_cache" in kwargs:
-        kwargs["use_cache"] = False
-    return args, kwargs
 
 
 def _to_host(t: Any) -> Any:

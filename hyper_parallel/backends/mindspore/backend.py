@@ -458,6 +458,9 @@ class MindSporeBackend(Backend):
     def is_module(self, x: Any) -> bool:
         return isinstance(x, nn.Cell)
 
+    def self_checkpointing_family(self, cls: type) -> Any:
+        return None  # (no MindSpore model library checkpoints its own cells)
+
     def module_storage_ids(self, module: nn.Cell) -> Set[int]:
         ids = set()
         for p in module.get_parameters():

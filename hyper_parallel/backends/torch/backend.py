@@ -22,6 +22,7 @@ from hyper_parallel.core.backend import Backend, OpKind, SavedFacts
 from hyper_parallel.core.keep_reason import KeepReason
 from hyper_parallel.core.policy import CheckpointPolicy, normalize_policy
 from hyper_parallel.core.region_state import AroundMode
+from hyper_parallel.integrations.transformers import family_of as hf_family_of
 
 from . import _shim
 
@@ -450,6 +451,9 @@ class TorchBackend(Backend):
     # ------------------------------------------------------------------ modules and hooks
     def is_module(self, x: Any) -> bool:
         return isinstance(x, torch.nn.Module)
+
+    def self_checkpointing_family(self, cls: type) -> Any:
+        return hf_family_of(cls)  # Hugging Face's layers (recognised by name: transformers is not imported)
 
     def module_storage_ids(self, module: torch.nn.Module) -> Set[int]:
         # Called on every region call: read the live parameter/buffer dicts (FSDP2 swaps entries
