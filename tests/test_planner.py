@@ -189,11 +189,14 @@ def test_prediction_adds_each_layers_effect_where_it_stands():
                           [LayerRecord(0, "T", [], [], 0), LayerRecord(1, "T", [], [], 0)], {}, 10, 100, 1.0,
                           0, 0, 1e9, False)
     e = Effect({r: -1 for r in RELATIONS}, 0.25)
-    e.bytes.update(old=-30, own_gap=-30, last_head=-20, fwd_age1=-30)
+    e.bytes.update(old=-30, own_gap=-30, last_head=-20, fwd_age1=-30, input_kept=-25)
     p = predict(profile, [e, e])
     assert p.step_s == 1.5
-    # gap 1 (the head): layer 0 stands as the next layer's forward keeps it (never retried), layer 1 as the last
-    assert segment_bytes(profile.segments[4], [e, e]) == 100 - 30 - 20
+    # gap 1 (the head): layer 0's input is never offloaded (nothing ends after the next layer): it
+    # stands as such a layer does from the head on (input_kept), layer 1 as the last
+    assert segment_bytes(profile.segments[4], [e, e]) == 100 - 25 - 20
+    # fwd 1: the next layer's forward (fwd_age1) for layer 0, its own for layer 1
+    assert segment_bytes(profile.segments[3], [e, e]) == 90 - 30 - 1
     assert p.peak_bytes == max(segment_bytes(s, [e, e]) for s in profile.segments)
 
 

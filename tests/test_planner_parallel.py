@@ -92,6 +92,12 @@ class _FakeProber:
     def wrap(self, layer, option, seen):
         return None
 
+    def is_container(self, x):
+        return False
+
+    def measure_plan(self, stack, layers, options, seen, step_fn):
+        return None
+
 
 class _ThreadGroup:
     """Object collectives between threads (each thread one "rank"); a rank that never arrives

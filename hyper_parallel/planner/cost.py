@@ -31,10 +31,12 @@ def relation(i: int, segment: Segment, layers: int, held: Container[int] = ()
 
     The layer chain offloads a layer's input (skipped while the caller still held it) when the
     layer after next ends. Where that never frees it, the layer keeps the state of the next
-    layer's forward (``fwd_age1``) from then on: the second to last layer (nothing ends after the
-    last), and a layer whose input the model itself holds on to (``held``: the first layer of a
-    Hugging Face model, whose embeddings its forward keeps). Its backward, and the one of the
-    layer after it, then also hold that input (``fwd_age1 - old`` more)."""
+    layer's forward (``fwd_age1``) through the forward: the second to last layer (nothing ends
+    after the last), and a layer whose input the model itself holds on to (``held``: the first
+    layer of a Hugging Face model, whose embeddings its forward keeps). From the loss head on,
+    where the step's own objects die (a cache in the model's outputs), it keeps the larger of that
+    state and the one of a layer whose input was offloaded (``input_kept``); its backward, and the
+    one of the layer after it, hold the input on top of theirs (``input_kept - old`` more)."""
     kind, j = segment.kind, segment.layer
     last = i == layers - 1
     unretried = i == layers - 2 or i in held
@@ -49,16 +51,18 @@ def relation(i: int, segment: Segment, layers: int, held: Container[int] = ()
     if kind == "fwd" and j == i + 1:
         return (("fwd_age1", 1),)
     if kind in ("fwd", "gap"):
-        return (("fwd_age1" if unretried else "old", 1),)
+        if not unretried:
+            return (("old", 1),)
+        return (("input_kept" if kind == "gap" and j == layers - 1 else "fwd_age1", 1),)
     # kind == "bwd"
     if j < i:
         return (("after", 1),)
     if j == i and last:
         return (("last_bwd", 1),)
     if j > i + 1:
-        return (("fwd_age1" if unretried else "old", 1),)
+        return (("input_kept" if unretried else "old", 1),)
     name = "own_bwd" if j == i else "bwd_prev"
-    return ((name, 1), ("fwd_age1", 1), ("old", -1)) if unretried else ((name, 1),)
+    return ((name, 1), ("input_kept", 1), ("old", -1)) if unretried else ((name, 1),)
 
 
 def segment_bytes(segment: Segment, effects: Sequence[Effect], held: Container[int] = ()) -> int:

@@ -780,7 +780,7 @@ class MindSporeProber(ChainProber):
                 recorder = _Recorder(self.key_of, live, count_grads=cpu, log=log)
                 stack.callback(recorder.remove_hooks)
                 _watch(stack, live, state, recorder)
-                segments = self._segmented(layers, meter, step_fn, log.on_pre, log.on_post)
+                segments = self._segmented(layers, meter, step_fn, log.on_pre, log.on_post).segments
                 reached = dict(live.reached)
         finally:
             state.restore()
@@ -847,6 +847,39 @@ class MindSporeProber(ChainProber):
 
     def _op_timer(self, times: OpTimes) -> "_OpTimer":
         return _OpTimer(times, self.key_of)
+
+    # ------------------------------------------------------------------ checking a plan
+    @staticmethod
+    def submodule(model: nn.Cell, path: str) -> Any:
+        """The cell at ``path`` in ``model`` (where ``find_layers`` found the stack)."""
+        cell = model
+        for name in path.split(".") if path else ():
+            cell = getattr(cell, name)
+        return cell
+
+    @staticmethod
+    def is_container(x: Any) -> bool:
+        """Whether ``x`` holds the layers so that the model calls them from it, entries settable."""
+        return isinstance(x, nn.CellList)
+
+    def _copyable(self, layers: Sequence[nn.Cell]) -> bool:
+        return True
+
+    def _shared_copy(self, layer: nn.Cell) -> nn.Cell:
+        memo = {id(p): p for p in layer.get_parameters()}
+        with _shim.internal():
+            return copy.deepcopy(layer, memo)
+
+    @contextlib.contextmanager
+    def _substituted(self, stack: Any, copies: Sequence[nn.Cell]) -> Iterator[None]:
+        originals = [stack[i] for i in range(len(stack))]
+        try:
+            for i, layer in enumerate(copies):
+                stack[i] = layer
+            yield
+        finally:
+            for i, layer in enumerate(originals):
+                stack[i] = layer
 
 
 def _meters(stack: contextlib.ExitStack) -> Tuple[Any, LiveTensorMeter]:

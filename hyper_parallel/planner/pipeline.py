@@ -267,8 +267,9 @@ def plan_pipeline(schedule: Any, budget: Union[int, str], *args: Any, target: An
     measured = prober.measure_step(stage.device, view.step(args, kwargs, target))
     step_fn = view.stage_step(stage, target)
 
-    def answer(planner: Planner) -> MemoryPlan:
+    def answer(planner: Planner, measure: Any) -> MemoryPlan:
         # What the measured step holds beyond the model of the stage left as it is: the schedule's.
+        # (``measure`` runs one micro-batch: it cannot see the others in flight, so no check here)
         reserved = max(0, measured - planner.reference_peak())
         plan = planner.plan(budget_bytes, reserved_bytes=reserved)
         plan.notes.append(f"pipeline stage {stage.index} of {stage.num_stages} ({view.kind}): {k} micro-batch(es) in "

@@ -47,8 +47,10 @@ class MemoryPlan:
 
     Attributes:
         budget_bytes: the budget it was made for.
-        predicted_peak_bytes / predicted_step_s: what the cost model predicts for the step under
-            the plan (``peak_at``: the part of the step where the peak falls).
+        predicted_peak_bytes / predicted_step_s: the step's peak and time under the plan: the
+            peak measured by running the plan once while planning (``peak_measured``), else the
+            cost model's (``modelled_peak_bytes``: the model's, always; ``peak_at``: the part of
+            the step where the modelled peak falls); the time is the cost model's.
         lower_bound_step_s: no mix of the weighed options can be faster within the budget.
         min_budget_bytes: the smallest peak any plan of these options reaches.
         reference_peak_bytes / reference_step_s: the step with every layer left as it is
@@ -70,7 +72,8 @@ class MemoryPlan:
                  predicted_step_s: float, lower_bound_step_s: float, min_budget_bytes: int,
                  reference_peak_bytes: int, reference_step_s: float, device: str, notes: Sequence[str] = (),
                  probes: int = 0, reserved_bytes: int = 0, microbatches_in_flight: int = 1,
-                 reference_forward_s: float = 0.0) -> None:
+                 reference_forward_s: float = 0.0, modelled_peak_bytes: Optional[int] = None,
+                 peak_measured: bool = False) -> None:
         if len(choices) != len(layers):
             raise ValueError(f"MemoryPlan: {len(choices)} layer choices for a stack of {len(layers)} layers")
         self.layers = layers
@@ -91,6 +94,8 @@ class MemoryPlan:
         self.reserved_bytes = reserved_bytes
         self.microbatches_in_flight = microbatches_in_flight
         self.reference_forward_s = reference_forward_s
+        self.modelled_peak_bytes = predicted_peak_bytes if modelled_peak_bytes is None else modelled_peak_bytes
+        self.peak_measured = peak_measured
         self.applied = False
         self.policies: List[Any] = []
         #: the model the stack was found in (``plan_memory(model, ...)``) and its attribute path
@@ -128,9 +133,11 @@ class MemoryPlan:
     # ------------------------------------------------------------------ reading
     def report(self) -> str:
         """What the plan does per layer and what it predicts, as text."""
+        how = (f"measured: the plan ran once while planning; modelled {format_bytes(self.modelled_peak_bytes)}"
+               if self.peak_measured else "modelled")
         lines = [f"memory plan for {len(self.choices)} layers on {self.device}: budget {format_bytes(self.budget_bytes)}",
-                 f"  predicted peak {format_bytes(self.predicted_peak_bytes)} (at {self.peak_at}), "
-                 f"step {self.predicted_step_s * 1e3:.1f} ms; lower bound {self.lower_bound_step_s * 1e3:.1f} ms",
+                 f"  predicted peak {format_bytes(self.predicted_peak_bytes)} ({how}, at {self.peak_at}), "
+                 f"step {self.predicted_step_s * 1e3:.1f} ms (modelled); lower bound {self.lower_bound_step_s * 1e3:.1f} ms",
                  f"  every layer left as it is: peak {format_bytes(self.reference_peak_bytes)}, "
                  f"step {self.reference_step_s * 1e3:.1f} ms; the smallest reachable peak "
                  f"{format_bytes(self.min_budget_bytes)}"]
@@ -187,7 +194,8 @@ class MemoryPlan:
                "reference_peak_bytes": self.reference_peak_bytes, "reference_step_s": self.reference_step_s,
                "notes": self.notes, "probes": self.probes, "stack_path": self.stack_path,
                "reserved_bytes": self.reserved_bytes, "microbatches_in_flight": self.microbatches_in_flight,
-               "reference_forward_s": self.reference_forward_s,
+               "reference_forward_s": self.reference_forward_s, "modelled_peak_bytes": self.modelled_peak_bytes,
+               "peak_measured": self.peak_measured,
                "layers": [c.to_json() for c in self.choices],
                "seen": {k: [key.to_json() for key in keys] for k, keys in sorted(self.seen.items())}}
         return json.dumps(doc, indent=1, sort_keys=True)
@@ -223,7 +231,9 @@ class MemoryPlan:
                    reference_step_s=doc["reference_step_s"], device=doc["device"], notes=doc.get("notes", ()),
                    probes=doc.get("probes", 0), reserved_bytes=doc.get("reserved_bytes", 0),
                    microbatches_in_flight=doc.get("microbatches_in_flight", 1),
-                   reference_forward_s=doc.get("reference_forward_s", 0.0))._found_in(model, doc.get("stack_path"))
+                   reference_forward_s=doc.get("reference_forward_s", 0.0),
+                   modelled_peak_bytes=doc.get("modelled_peak_bytes"),
+                   peak_measured=bool(doc.get("peak_measured", False)))._found_in(model, doc.get("stack_path"))
 
     def _found_in(self, model: Any, path: Optional[str]) -> "MemoryPlan":
         self.model, self.stack_path = model, path

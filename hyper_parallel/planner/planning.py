@@ -20,6 +20,11 @@ __all__ = ["plan_memory", "Planner", "make_plan"]
 
 #: At most this many options are probed per layer type while the solution still uses modelled ones.
 _MAX_PROBES = 24
+#: A plan is checked by running it at most this many times (each over-budget run tightens the next).
+_CHECKS = 4
+#: What a checked plan leaves free under its budget: another meter of the same live storages (or
+#: the allocator's) may count a few more bytes (a scalar the step reads that it did not make).
+CHECK_MARGIN_BYTES = 4 << 10
 
 
 class Planner:
@@ -154,47 +159,89 @@ class Planner:
         prediction = predict(self.profile, self.assignment_effects(chosen), self.in_flight)
         return prediction.peak_bytes, chosen, prediction.where
 
-    def plan(self, budget: Union[int, str], reserved_bytes: int = 0) -> MemoryPlan:
+    def plan(self, budget: Union[int, str], reserved_bytes: int = 0,
+             measure: Optional[Callable[[List[LayerOption]], Optional[int]]] = None) -> MemoryPlan:
         """The fastest plan whose predicted peak fits ``budget`` (see :func:`plan_memory`).
         ``reserved_bytes``: memory the budget must also hold that the profiled step does not show
         (a pipeline schedule's own buffers, measured by ``plan_pipeline``): the step under the
         plan must fit ``budget - reserved_bytes``, and the plan's predicted, minimum and
-        reference peaks include it."""
+        reference peaks include it.
+
+        ``measure(options)``: the step's peak with the layers wrapped so, measured by running it
+        (``None``: it could not be run). The plan is then checked: where the measured peak is over
+        the budget (less :data:`CHECK_MARGIN_BYTES`), what the model missed is taken off the room and
+        the plan made again (a few times at most); a plan measured over budget is never returned,
+        and the plan's predicted peak is the measured one."""
         budget_bytes = parse_budget(budget)
         reserved = int(reserved_bytes)
         room = budget_bytes - reserved
-        chosen = self._solve(lambda p: solver.solve(p, room, self.resolution)) if room > 0 else None
-        minimum, min_plan, where = self.min_budget()
-        if chosen is None and 0 < minimum <= room:
-            chosen = min_plan  # (the programme rounds bytes up: at the very edge only the minimum fits)
-        if chosen is not None:
-            chosen = self._polish(chosen, room)
+        target, measured, chosen = room, None, None
+        for _ in range(_CHECKS):
+            chosen = self._choose(target)
+            if chosen is None or measure is None:
+                break
+            measured = measure(chosen)
+            if measured is None or measured + CHECK_MARGIN_BYTES <= room:
+                break
+            # (the model missed ``measured - predicted``; ask the next plan for that much less)
+            target -= measured + CHECK_MARGIN_BYTES - room
+            chosen = None
         if chosen is None:
-            parts = breakdown(self.profile, self.assignment_effects(min_plan), where)
-            if reserved:
-                parts.append(("what the pipeline schedule holds besides (measured)", reserved))
-            detail = "; ".join(f"{name} {format_bytes(n)}" for name, n in parts if n)
-            least = minimum + reserved
-            raise ValueError(
-                f"plan_memory: no plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): the "
-                f"smallest peak any plan reaches is {format_bytes(least)} ({least} bytes), during {where}: "
-                f"{detail}. Raise the budget to at least that, or shrink what every plan pays (batch size, "
-                "sequence length, parameters and their gradients, the loss head).")
+            raise self._no_plan(budget_bytes, reserved, measure)
         effects = self.assignment_effects(chosen)
         prediction = predict(self.profile, effects, self.in_flight)
+        minimum, min_plan, _ = self.min_budget()
+        if measure is not None:  # (the minimum reported is one a budget can ask for: measured too)
+            min_measured = measured if min_plan == chosen else measure(min_plan)
+            minimum = max(minimum, min_measured + CHECK_MARGIN_BYTES if min_measured is not None else 0)
         problem, _ = self._problem(measured_only=True)
         bound = solver.lower_bound(problem, room, self.resolution)
         if solver.have_scipy():
             bound = max(bound, solver.lp_bound(problem, room))
         step0 = self.profile.step_s
         choices = [self._choice(i, o, e) for i, (o, e) in enumerate(zip(chosen, effects))]
+        notes = list(self.profile.notes)
+        if measure is not None and measured is None:
+            notes.append("the plan was not checked by running it: pass the model, or its ModuleList / ModuleDict / "
+                         "Sequential, as the stack (a plain list cannot be given copies of the layers), and call the "
+                         "layers through it in step_fn")
+        peak = prediction.peak_bytes if measured is None else measured
         return MemoryPlan(self.layers, choices, self.seen, self.prober, budget_bytes=budget_bytes,
-                          predicted_peak_bytes=prediction.peak_bytes + reserved, peak_at=prediction.where,
+                          predicted_peak_bytes=peak + reserved, peak_at=prediction.where,
                           predicted_step_s=prediction.step_s, lower_bound_step_s=min(prediction.step_s, step0 + bound),
                           min_budget_bytes=minimum + reserved, reference_peak_bytes=self.reference_peak() + reserved,
-                          reference_step_s=step0, device=self.profile.device, notes=self.profile.notes,
+                          reference_step_s=step0, device=self.profile.device, notes=notes,
                           probes=self.probes, reserved_bytes=reserved, microbatches_in_flight=self.in_flight,
-                          reference_forward_s=self.forward_seconds())
+                          reference_forward_s=self.forward_seconds(), modelled_peak_bytes=prediction.peak_bytes + reserved,
+                          peak_measured=measured is not None)
+
+    def _choose(self, room: int) -> Optional[List[LayerOption]]:
+        """The fastest options whose predicted peak fits ``room`` (``None``: none does)."""
+        chosen = self._solve(lambda p: solver.solve(p, room, self.resolution)) if room > 0 else None
+        minimum, min_plan, _ = self.min_budget()
+        if chosen is None and 0 < minimum <= room:
+            chosen = min_plan  # (the programme rounds bytes up: at the very edge only the minimum fits)
+        if chosen is not None:
+            chosen = self._polish(chosen, room)
+        return chosen
+
+    def _no_plan(self, budget_bytes: int, reserved: int,
+                 measure: Optional[Callable[[List[LayerOption]], Optional[int]]]) -> ValueError:
+        """The error for a budget no plan fits: the smallest peak (measured when it can be, so that
+        a budget of that much plans), what it is made of and what to do."""
+        minimum, min_plan, where = self.min_budget()
+        measured = measure(min_plan) if measure is not None else None
+        parts = breakdown(self.profile, self.assignment_effects(min_plan), where)
+        if reserved:
+            parts.append(("what the pipeline schedule holds besides (measured)", reserved))
+        detail = "; ".join(f"{name} {format_bytes(n)}" for name, n in parts if n)
+        least = max(minimum, measured + CHECK_MARGIN_BYTES if measured is not None else 0) + reserved
+        how = " (measured: that plan ran once)" if measured is not None else ""
+        return ValueError(
+            f"plan_memory: no plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): the "
+            f"smallest peak any plan reaches is {format_bytes(least)} ({least} bytes){how}, during {where}: "
+            f"{detail}. Raise the budget to at least that, or shrink what every plan pays (batch size, "
+            "sequence length, parameters and their gradients, the loss head).")
 
     def reference_peak(self) -> int:
         """The step's predicted peak with every layer left as it is (each other micro-batch in
@@ -296,29 +343,47 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
     """
     prober = prober if prober is not None else active_prober()
     budget_bytes = parse_budget(budget)
-    return make_plan(layers, step_fn, lambda planner: planner.plan(budget_bytes), prober=prober, group=group,
-                     microbatches_in_flight=microbatches_in_flight, resolution=resolution, budget=budget_bytes)
+    return make_plan(layers, step_fn, lambda planner, measure: planner.plan(budget_bytes, measure=measure),
+                     prober=prober, group=group, microbatches_in_flight=microbatches_in_flight, resolution=resolution,
+                     budget=budget_bytes)
 
 
-def make_plan(layers: Any, step_fn: Callable[[], Any], answer: Callable[[Planner], MemoryPlan], *,
+#: ``measure(options)``: the step's peak with the stack wrapped so, measured (``Planner.plan``)
+Measure = Callable[[List[LayerOption]], Optional[int]]
+
+
+def make_plan(layers: Any, step_fn: Callable[[], Any], answer: Callable[[Planner, Optional[Measure]], MemoryPlan], *,
               prober: Any, group: Any = None, microbatches_in_flight: int = 1, resolution: int = 2048,
               budget: Optional[int] = None) -> MemoryPlan:
-    """Profile ``step_fn`` and return ``answer(planner)``, the plan a :class:`Planner` of the
-    profile gives (``layers``: a stack or a model, as :func:`plan_memory` takes them): on this
+    """Profile ``step_fn`` and return ``answer(planner, measure)``, the plan a :class:`Planner` of
+    the profile gives (``layers``: a stack or a model, as :func:`plan_memory` takes them): on this
     process, or (``group``: see :func:`plan_memory`) on the group's first rank with the profiles
-    and probes of every rank, the plan every rank gets made from its JSON. ``budget``: this rank's,
+    and probes of every rank, the plan every rank gets made from its JSON. ``measure`` runs the
+    step with the stack wrapped as a plan says (``Planner.plan`` checks its plan with it): this
+    process planning alone, one micro-batch in flight; else ``None``. ``budget``: this rank's,
     which every rank of a group must share (checked first, an error on every rank)."""
-    model, path = None, None
+    model, path, container = None, None, layers
     if prober.is_layer(layers) and not prober.is_stack(layers):
         model = layers
         path, layers = prober.find_layers(model)
+        container = prober.submodule(model, path)
     stack = _layer_list(layers, prober)
     if not callable(step_fn):
         raise TypeError(f"plan_memory: step_fn must be a zero-argument callable running one forward + backward, "
                         f"got {step_fn!r}")
+    settable = container if prober.is_container(container) else None
+
+    def measure(options: List[LayerOption]) -> Optional[int]:
+        seen = [planner_seen[r] for r in type_keys]
+        return prober.measure_plan(settable, stack, options, seen, step_fn)
+
+    planner_seen: Dict[str, List[OpKey]] = {}
+    type_keys: List[str] = []
 
     def found(planner: Planner) -> MemoryPlan:
-        plan = answer(planner)
+        planner_seen.update(planner.seen)
+        type_keys[:] = [r.type_key for r in planner.profile.layers]
+        plan = answer(planner, measure if collectives is None and microbatches_in_flight == 1 else None)
         if model is not None:
             plan.model, plan.stack_path = model, path
             plan.notes.insert(0, f"layer stack: {type(model).__name__}.{path} ({len(stack)} x "

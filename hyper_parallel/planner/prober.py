@@ -68,6 +68,21 @@ class Prober(Protocol):
         """A model's layer stack: its attribute path and layers (a clear error if none)."""
         ...
 
+    def submodule(self, model: Any, path: str) -> Any:
+        """The module at ``path`` in ``model`` (where :meth:`find_layers` found the stack)."""
+        ...
+
+    def is_container(self, x: Any) -> bool:
+        """Whether ``x`` holds the layers so that the model calls them from it, its entries
+        settable (what :meth:`measure_plan` needs)."""
+        ...
+
+    def measure_plan(self, stack: Any, layers: Sequence[Any], options: Sequence[LayerOption],
+                     seen: Sequence[Sequence[OpKey]], step_fn: Callable[[], Any]) -> Optional[int]:
+        """The peak bytes of one ``step_fn()`` with ``layers[i]`` wrapped by ``options[i]``,
+        measured (``stack``: their container; ``None``: the plan could not be run)."""
+        ...
+
     def pipeline(self, schedule: Any) -> Any:
         """What ``plan_pipeline`` reads of a pipeline schedule and runs of it (PyTorch:
         ``torch_pipeline.TorchPipeline``): its stages here, its action order, one step, a

@@ -229,6 +229,17 @@ class OpTimes:
         return out
 
 
+class _Ran:
+    """A :func:`layer_marks` target recording which layers ran their forward."""
+
+    def __init__(self, into: set) -> None:
+        self.into = into
+
+    def mark(self, kind: str, layer: int) -> None:
+        if kind == "fwd":
+            self.into.add(layer)
+
+
 class ChainProber(abc.ABC):
     """Profiling and probing (see the module docstring) on a framework's primitives.
 
@@ -341,6 +352,24 @@ class ChainProber(abc.ABC):
     def _op_timer(self, times: OpTimes) -> ContextManager[Any]:
         """A dispatch mode passing every op call through ``times.call``."""
 
+    # ------------------------------------------------------------------ primitives: checking a plan
+    @abc.abstractmethod
+    def _copyable(self, layers: Sequence[Any]) -> bool:
+        """Whether :meth:`_shared_copy` can copy every layer (sharded layers belong to their owner)."""
+
+    @abc.abstractmethod
+    def _shared_copy(self, layer: Any) -> Any:
+        """A copy of ``layer`` that shares its parameters and buffers (a new module around them)."""
+
+    @abc.abstractmethod
+    def _substituted(self, stack: Any, copies: Sequence[Any]) -> ContextManager[Any]:
+        """``stack`` (the container the model calls its layers from) holds ``copies`` in the
+        block, its own layers again after it."""
+
+    @abc.abstractmethod
+    def measure_step(self, device: Any, step_fn: Callable[[], Any]) -> int:
+        """The peak bytes of one ``step_fn()`` as a budget counts them, what it changed put back."""
+
     # ------------------------------------------------------------------ wrapping
     def wrap(self, layer: Any, option: LayerOption, seen: Sequence[OpKey]) -> Any:
         """Wrap ``layer`` in place for ``option`` through the public API; the generated policy."""
@@ -351,13 +380,43 @@ class ChainProber(abc.ABC):
             checkpoint_wrapper(layer, policy_fn=policy, swap_inputs=option.swap_inputs)
         return policy
 
+    # ------------------------------------------------------------------ checking a plan
+    def measure_plan(self, stack: Any, layers: Sequence[Any], options: Sequence[LayerOption],
+                     seen: Sequence[Sequence[OpKey]], step_fn: Callable[[], Any]) -> Optional[int]:
+        """The peak bytes of one ``step_fn()`` with ``layers[i]`` wrapped by ``options[i]``, as the
+        budget counts them, measured: the stack's entries are, for the call, copies of its layers
+        sharing their parameters and buffers, wrapped and chained as the plan wraps them (the
+        layers themselves stay as they are; what the step changes is put back as profiling puts
+        it back). ``None`` when the plan cannot be run so: no container of the layers to put the
+        copies in (``stack`` is ``None``), or the step did not call them through it."""
+        if stack is None or not options or not self._copyable(layers):
+            return None
+        copies = [self._shared_copy(layer) for layer in layers]
+        ran = set()
+        try:
+            for copy_, option, keys in zip(copies, options, seen):
+                self.wrap(copy_, option, keys)
+            if any(o.swaps for o in options):
+                for first, second in zip(copies, copies[1:]):
+                    SwapManager().set_forward_prefetch_layer(first, second)
+            marks = self._layer_marks(copies, _Ran(ran))
+            try:
+                with self._substituted(stack, copies):
+                    peak = self.measure_step(self._device_of(layers), step_fn)
+            finally:
+                for h in marks:
+                    h.remove()
+        finally:
+            self._forget(copies)
+        return peak if len(ran) == len(layers) else None
+
     # ------------------------------------------------------------------ segments
     def _layer_marks(self, layers: Sequence[Any], target: Any, on_pre: Optional[PreHook] = None,
                      on_post: Optional[PostHook] = None) -> List[Any]:
         return layer_marks(layers, target, self._in_backward, self._grad_outputs, on_pre, on_post)
 
     def _segmented(self, layers: Sequence[Any], meter: Meter, run: Callable[[], Any],
-                   on_pre: Optional[PreHook] = None, on_post: Optional[PostHook] = None) -> List[Segment]:
+                   on_pre: Optional[PreHook] = None, on_post: Optional[PostHook] = None) -> Segments:
         """``run()`` cut into segments of ``meter``'s timeline at ``layers``' boundaries."""
         segments = Segments(meter)
         handles = self._layer_marks(layers, segments, on_pre, on_post)
@@ -368,7 +427,7 @@ class ChainProber(abc.ABC):
         finally:
             for h in handles:
                 h.remove()
-        return segments.segments
+        return segments
 
     def _layer_log(self) -> LayerLog:
         """A fresh :class:`LayerLog` for call 1 (its hooks go to :meth:`_segmented`)."""
@@ -474,8 +533,7 @@ class ChainProber(abc.ABC):
                          "time": self._chain_time(source, None, seen)}
         middle = self._chain_memory(source, [None, option, None, None], seen)  # a layer amid the stack
         last = self._chain_memory(source, [None, option], seen)  # the last layer
-        effect = _chain_effect({k: middle[k] - reference["middle"][k] for k in middle},
-                               {k: last[k] - reference["last"][k] for k in last})
+        effect = _chain_effect(_differences(middle, reference["middle"]), _differences(last, reference["last"]))
         # Every option adds work to the layer (recompute, copies, bookkeeping): a run measured faster
         # than the plain layer is timing noise, and counts as free.
         seconds = max(0.0, (self._chain_time(source, option, seen) - reference["time"]) / 3)
@@ -509,17 +567,19 @@ class ChainProber(abc.ABC):
                         manager.discard_group(name)
 
     def _chain_memory(self, source: ProbeSource, options: Sequence[Optional[LayerOption]],
-                      seen: Sequence[OpKey]) -> Dict[str, int]:
-        """Segment peaks (by name) of one forward + backward of a chain of copies."""
+                      seen: Sequence[OpKey]) -> Dict[str, Tuple[int, int, int]]:
+        """``(start, peak, end)`` bytes of each segment (by name) of one forward + backward of a
+        chain of copies."""
         copies = self._copies(source, options, seen)
         try:
             with self._chain_meter(source, copies) as (meter, inputs):
                 # (no warm-up run: host buffers are never device memory, and the step ran already,
                 # so one-off device allocations such as a BLAS workspace are made)
-                segments = self._segmented(copies, meter, lambda: source.run(copies, inputs))
+                cut = self._segmented(copies, meter, lambda: source.run(copies, inputs))
         finally:
             self._forget(copies)
-        return {s.name: s.peak for s in segments}
+        ends = [s.start for s in cut.segments[1:]] + [cut.end_bytes]
+        return {s.name: (s.start, s.peak, end) for s, end in zip(cut.segments, ends)}
 
     def _chain_time(self, source: ProbeSource, option: Optional[LayerOption], seen: Sequence[OpKey]) -> float:
         """Seconds of one forward + backward of three copies, all wrapped by ``option`` (the
@@ -559,17 +619,32 @@ class ChainProber(abc.ABC):
         return times.best()
 
 
-def _chain_effect(middle: Dict[str, int], last: Dict[str, int]) -> Dict[str, int]:
+def _differences(run: Dict[str, Tuple[int, int, int]], reference: Dict[str, Tuple[int, int, int]]
+                 ) -> Dict[str, Tuple[int, int, int]]:
+    """Per segment, what a wrapped copy changed at its start, its peak and its end."""
+    return {name: tuple(a - b for a, b in zip(values, reference[name])) for name, values in run.items()}
+
+
+def _chain_effect(middle: Dict[str, Tuple[int, int, int]], last: Dict[str, Tuple[int, int, int]]) -> Dict[str, int]:
     """An option's bytes per relation (``profile.RELATIONS``) from the differences it made to the
-    segment peaks of the middle chain (on the second of four copies) and of the last chain (on
-    the last of two), with :data:`SLACK_BYTES` on every relation but ``after``."""
-    old = max(middle["gap 2"], middle["fwd 3"], middle["gap 3"], middle["bwd 3"])
+    segments of the middle chain (on the second of four copies) and of the last chain (on the last
+    of two), with :data:`SLACK_BYTES` on every relation but ``after``. A segment where the wrapped
+    copy runs (its own forward or backward) counts the difference at its peak, where its own work
+    is; in any other the copy only holds what it keeps, and what it keeps can change within the
+    segment (the step's objects die at the end of the forward, a load lands): the largest
+    difference at its start, peak or end counts, so that wherever the model's own segment peaks
+    the effect is no larger."""
+    held = {k: max(v) for k, v in middle.items()}
+    old = max(held["gap 2"], held["fwd 3"], held["gap 3"], held["bwd 3"])
     effect = {
-        "own_fwd": middle["fwd 1"], "own_gap": middle["gap 1"], "fwd_age1": middle["fwd 2"], "old": old,
-        "bwd_prev": middle["bwd 2"], "own_bwd": middle["bwd 1"],
-        "after": max(middle["bwd 0"], last["bwd 0"]),
-        "last_fwd": last["fwd 1"], "last_head": last["gap 1"], "last_bwd": last["bwd 1"],
+        "own_fwd": middle["fwd 1"][1], "own_gap": held["gap 1"], "fwd_age1": held["fwd 2"], "old": old,
+        "bwd_prev": held["bwd 2"], "own_bwd": middle["bwd 1"][1],
+        "after": max(held["bwd 0"], max(last["bwd 0"])),
+        # (the loss head's segment runs on into the backward: the state its own backward starts in)
+        "last_fwd": last["fwd 1"][1], "last_head": max(max(last["gap 1"]), last["bwd 1"][0]),
+        "last_bwd": last["bwd 1"][1],
     }
+    effect["input_kept"] = max(effect["fwd_age1"], old)
     assert set(effect) == set(RELATIONS)
     for relation in RELATIONS:  # what a wrapped layer keeps that a difference of peaks can miss
         if relation != "after":

@@ -86,6 +86,8 @@ RELATIONS = (
     "own_gap",       # right after it (before the next layer starts)
     "fwd_age1",      # the next layer's forward
     "old",           # a later forward, the head, or a backward two or more layers after it
+    "input_kept",    # the same (from the head on) for a layer whose input is never offloaded: the
+                     # larger of "fwd_age1" and "old" (see cost.relation)
     "bwd_prev",      # the backward of the layer after it (prefetching it on an accelerator)
     "own_bwd",       # its own backward
     "after",         # a segment after its backward

@@ -56,6 +56,7 @@ class Segments:
     def __init__(self, meter: Meter) -> None:
         self.meter = meter
         self.segments: List[Segment] = []
+        self.end_bytes = 0
 
     def mark(self, kind: str, layer: int) -> None:
         peak = self.meter.reset_peak()
@@ -65,9 +66,10 @@ class Segments:
         self.segments.append(Segment(kind, layer, start, start))
 
     def close(self) -> None:
-        """End the last segment (at the end of the measured region)."""
+        """End the last segment (at the end of the measured region); ``end_bytes`` is what is
+        live then."""
         self.mark("end", -1)
-        self.segments.pop()
+        self.end_bytes = self.segments.pop().start
 
 
 class BackwardTimer:

@@ -54,7 +54,9 @@ class Problem:
     def carried(self, i: int, effect: Effect) -> float:
         """What layer ``i`` with ``effect`` adds to the segments after the next layer's (``T``)."""
         unretried = i == self.layers - 2 or i in self.held
-        return float(effect.bytes["fwd_age1" if unretried else "old"])
+        # (an unretried layer's state before the head, fwd_age1, is at most input_kept: the
+        # programme charges the larger to every segment, the exact prediction tells them apart)
+        return float(effect.bytes["input_kept" if unretried else "old"])
 
     @property
     def layers(self) -> int:
@@ -81,8 +83,8 @@ def _layer_constraints(problem: Problem) -> List[List[Tuple[float, Tuple[Tuple[s
         own = relation(owner, s, n, problem.held) or ()
         for i in range(owner - 1):
             rel = relation(i, s, n, problem.held)
-            carried = "fwd_age1" if i == n - 2 or i in problem.held else "old"
-            if rel is not None and rel != ((carried, 1),):
+            carried = ("input_kept", "fwd_age1") if i == n - 2 or i in problem.held else ("old",)
+            if rel is not None and (len(rel) != 1 or rel[0] not in [(c, 1) for c in carried]):
                 raise AssertionError(f"segment {s.name}: layer {i} stands {rel}, not {carried!r}")
         per_layer[owner].append((constant, prev or (), own))
     return per_layer

@@ -332,7 +332,7 @@ class TorchProber(ChainProber):
         try:
             with MemoryMeter(device) as meter, recorder, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                segments = self._segmented(layers, meter, step_fn, log.on_pre, log.on_post)
+                segments = self._segmented(layers, meter, step_fn, log.on_pre, log.on_post).segments
         finally:
             state.restore()
         before = -_unrelated_bytes(recorder) if device.type == "cpu" else 0
@@ -382,6 +382,37 @@ class TorchProber(ChainProber):
     def _op_timer(self, times: OpTimes) -> "_OpTimer":
         return _OpTimer(times, self.key_of)
 
+    # ------------------------------------------------------------------ checking a plan
+    @staticmethod
+    def submodule(model: torch.nn.Module, path: str) -> Any:
+        """The module at ``path`` in ``model`` (where ``find_layers`` found the stack)."""
+        return model.get_submodule(path)
+
+    @staticmethod
+    def is_container(x: Any) -> bool:
+        """Whether ``x`` holds the layers so that the model calls them from it, entries settable
+        (a plain list handed to ``plan_memory`` is not the model's)."""
+        return isinstance(x, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential))
+
+    def _copyable(self, layers: Sequence[torch.nn.Module]) -> bool:
+        return not any(is_sharded(layer) for layer in layers)  # (FSDP2's state belongs to its module)
+
+    def _shared_copy(self, layer: torch.nn.Module) -> torch.nn.Module:
+        memo = {id(t): t for t in [*layer.parameters(), *layer.buffers()]}
+        return copy.deepcopy(layer, memo)
+
+    @contextlib.contextmanager
+    def _substituted(self, stack: Any, copies: Sequence[torch.nn.Module]) -> Iterator[None]:
+        keys = list(stack.keys()) if isinstance(stack, torch.nn.ModuleDict) else list(range(len(stack)))
+        originals = [stack[k] for k in keys]
+        try:
+            for k, layer in zip(keys, copies):
+                stack[k] = layer
+            yield
+        finally:
+            for k, layer in zip(keys, originals):
+                stack[k] = layer
+
 
 class _OpTimer(TorchDispatchMode):
     """Passes every op call through ``times`` (:class:`~hyper_parallel.planner.probing.OpTimes`)."""
@@ -414,7 +445,7 @@ class _ProbeInput:
         x = args[0]
         self.device = x.device
         self.requires_grad = x.requires_grad
-        self._host = copy.deepcopy(tree_map(_to_host, (args, kwargs)))  # (its own copy of other objects)
+        self._host = _host_copy((args, kwargs))
 
     def inputs(self, copies: int = 1) -> List[Any]:
         """The input on the device for a chain of ``copies``: ``[activation, calls]``, ``calls``
@@ -500,9 +531,31 @@ def _unrelated_bytes(recorder: _Recorder) -> int:
     return total
 
 
-def _to_host(t: Any) -> Any:
-    if not isinstance(t, torch.Tensor):
-        return t
-    host = t.detach().to("cpu", copy=True)
-    mark_host(host)
-    return host
+def _host_copy(value: Any) -> Any:
+    """A deep copy of ``value`` whose tensors, wherever they sit (in containers, or in objects such
+    as a Hugging Face cache holding earlier layers' keys), are detached host copies."""
+    memo: Dict[int, Any] = {}
+    for t in _tensors_within(value):
+        host = t.detach().to("cpu", copy=True)
+        mark_host(host)
+        memo[id(t)] = host
+    return copy.deepcopy(value, memo)
+
+
+def _tensors_within(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor reachable from ``value`` through containers and objects' attributes (modules
+    and classes excluded: their tensors are parameters, never a layer's input)."""
+    seen, stack = set(), [value]
+    while stack:
+        v = stack.pop()
+        if id(v) in seen or isinstance(v, (str, bytes, int, float, bool, type, torch.nn.Module)) or v is None:
+            continue
+        seen.add(id(v))
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            stack.extend(v)
+        elif hasattr(v, "__dict__") and not callable(v):
+            stack.extend(vars(v).values())
