@@ -14,6 +14,7 @@ faster than with the first stage's plan everywhere, and it trains bitwise like o
 
 from __future__ import annotations
 
+import contextlib
 import doctest
 import threading
 from typing import Any, Dict, List, Optional
@@ -94,6 +95,10 @@ class _FakeProber:
 
     def is_container(self, x):
         return False
+
+    @contextlib.contextmanager
+    def in_training(self, step_fn):
+        yield
 
     def measure_plan(self, stack, layers, options, seen, step_fn):
         return None

@@ -21,7 +21,7 @@ from typing import Container, List, Optional, Sequence, Tuple
 
 from .profile import Effect, Segment, StepProfile
 
-__all__ = ["relation", "Prediction", "predict", "segment_bytes"]
+__all__ = ["relation", "contributions", "Prediction", "predict", "segment_bytes"]
 
 
 def relation(i: int, segment: Segment, layers: int, held: Container[int] = ()
@@ -65,15 +65,22 @@ def relation(i: int, segment: Segment, layers: int, held: Container[int] = ()
     return ((name, 1), ("input_kept", 1), ("old", -1)) if unretried else ((name, 1),)
 
 
+def contributions(i: int, segment: Segment, layers: int, held: Container[int] = ()
+                  ) -> Tuple[Tuple[str, int], ...]:
+    """Every effect of layer ``i`` on ``segment``, with its multiplicity: its :func:`relation` in
+    the segment's micro-step, and ``after`` once per earlier micro-step (gradient accumulation:
+    each micro-batch's forward + backward through the layer is over by then)."""
+    rel = relation(i, segment, layers, held) or ()
+    return rel + (("after", segment.micro_step),) if segment.micro_step else rel
+
+
 def segment_bytes(segment: Segment, effects: Sequence[Effect], held: Container[int] = ()) -> int:
     """The predicted peak of ``segment`` when layer ``i`` has ``effects[i]`` (``held``: see
     :func:`relation`)."""
     total = segment.peak
     n = len(effects)
     for i, effect in enumerate(effects):
-        rel = relation(i, segment, n, held)
-        if rel is not None:
-            total += sum(sign * effect.bytes[name] for name, sign in rel)
+        total += sum(sign * effect.bytes[name] for name, sign in contributions(i, segment, n, held))
     return total
 
 
@@ -101,21 +108,24 @@ def predict(profile: StepProfile, effects: Sequence[Effect], in_flight: int = 1)
         value = segment_bytes(segment, effects, held) + extra
         if value > peak:
             peak, where = value, segment.name
-    return Prediction(int(peak), where, profile.step_s + sum(e.seconds for e in effects))
+    return Prediction(int(peak), where, profile.step_s + profile.micro_steps * sum(e.seconds for e in effects))
+
+
+def _head(profile: StepProfile) -> Segment:
+    """The loss head's segment (of the first micro-step)."""
+    return next(s for s in profile.segments if s.kind == "gap" and s.layer == len(profile.layers) - 1)
 
 
 def reference_retained(profile: StepProfile) -> int:
     """Bytes one micro-batch's forward leaves for its backward with every layer as it is: the
     growth from the start of the step to the end of the forward (the loss head's gap)."""
-    head = next(s for s in profile.segments if s.kind == "gap" and s.layer == len(profile.layers) - 1)
-    return max(0, head.start - profile.segments[0].start)
+    return max(0, _head(profile).start - profile.segments[0].start)
 
 
 def retained_bytes(profile: StepProfile, effects: Sequence[Effect]) -> int:
     """Bytes one micro-batch's forward leaves for its backward under the plan: the reference's
     plus what every layer's effect is once the whole forward has run."""
-    n = len(effects)
-    head = next(s for s in profile.segments if s.kind == "gap" and s.layer == n - 1)
+    head = _head(profile)
     return reference_retained(profile) + segment_bytes(head, effects, profile.held_inputs()) - head.peak
 
 

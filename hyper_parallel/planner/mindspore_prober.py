@@ -848,6 +848,11 @@ class MindSporeProber(ChainProber):
     def _op_timer(self, times: OpTimes) -> "_OpTimer":
         return _OpTimer(times, self.key_of)
 
+    @contextlib.contextmanager
+    def in_training(self, step_fn: Callable[[], Any]) -> Iterator[None]:
+        """The block runs as planned from where training is now (no step run first here)."""
+        yield
+
     # ------------------------------------------------------------------ checking a plan
     @staticmethod
     def submodule(model: nn.Cell, path: str) -> Any:

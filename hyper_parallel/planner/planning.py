@@ -38,6 +38,9 @@ class Planner:
                 or microbatches_in_flight < 1:
             raise ValueError(f"microbatches_in_flight must be an int >= 1 (the micro-batches whose forward has run and "
                              f"whose backward has not, the current one included), got {microbatches_in_flight!r}")
+        if microbatches_in_flight > 1 and profile.micro_steps > 1:
+            raise ValueError("plan_memory: a pipeline stage's step (microbatches_in_flight > 1) runs one micro-batch "
+                             f"through the stage; this step_fn runs {profile.micro_steps} (gradient accumulation)")
         self.in_flight = microbatches_in_flight
         self.layers = list(layers)
         self.profile = profile
@@ -50,10 +53,13 @@ class Planner:
         self.probes = 0
         self.seen: Dict[str, List[OpKey]] = {}
         for key, ltype in profile.types.items():
+            self.seen[key] = sorted({op.key for op in ltype.record.ops})
+            if not ltype.record.backward:  # (no gradient reaches it: autograd saves nothing there)
+                self.options[key] = [cand.NONE]
+                continue
             times = prober.op_seconds(ltype)
             for op in ltype.record.ops:
                 op.seconds = times.get(op.key, 0.0) / max(1, sum(1 for o in ltype.record.ops if o.key == op.key))
-            self.seen[key] = sorted({op.key for op in ltype.record.ops})
             self.options[key] = cand.candidate_options(ltype, profile.overlaps, profile.copy_bytes_per_s)
             self._calibrate(key, ltype)
 
@@ -92,6 +98,8 @@ class Planner:
         found = self.effects.get((key, option))
         if found is not None:
             return found
+        if option.kind == "none":
+            return cand.ZERO
         return cand.model_effect(option, self.profile.types[key], self.calibration[key])
 
     def _problem(self, measured_only: bool = False) -> Tuple[solver.Problem, List[List[LayerOption]]]:
@@ -176,12 +184,18 @@ class Planner:
         reserved = int(reserved_bytes)
         room = budget_bytes - reserved
         target, measured, chosen = room, None, None
-        for _ in range(_CHECKS):
+        smallest = self.min_budget()[1]
+        for check in range(_CHECKS):
             chosen = self._choose(target)
+            if chosen is None and measure is not None and target < room or check == _CHECKS - 1 and measure:
+                chosen = smallest  # (tightened past every plan's prediction, or out of tries: the smallest, if it fits)
             if chosen is None or measure is None:
                 break
             measured = measure(chosen)
             if measured is None or measured + CHECK_MARGIN_BYTES <= room:
+                break
+            if chosen == smallest:
+                chosen = None  # (nothing measures smaller)
                 break
             # (the model missed ``measured - predicted``; ask the next plan for that much less)
             target -= measured + CHECK_MARGIN_BYTES - room
@@ -199,6 +213,7 @@ class Planner:
         if solver.have_scipy():
             bound = max(bound, solver.lp_bound(problem, room))
         step0 = self.profile.step_s
+        bound *= self.profile.micro_steps  # (each micro-step runs every layer's option)
         choices = [self._choice(i, o, e) for i, (o, e) in enumerate(zip(chosen, effects))]
         notes = list(self.profile.notes)
         if measure is not None and measured is None:
@@ -392,16 +407,19 @@ def make_plan(layers: Any, step_fn: Callable[[], Any], answer: Callable[[Planner
 
     collectives = prober.collectives(group)
     if collectives is None:
-        plan = found(Planner(stack, prober.profile_step(stack, step_fn), prober, resolution, microbatches_in_flight))
+        with prober.in_training(step_fn):
+            profile = prober.profile_step(stack, step_fn)
+            plan = found(Planner(stack, profile, prober, resolution, microbatches_in_flight))
     else:
         budgets = collectives.all_gather(budget)
         if len(set(budgets)) > 1:  # (before any work: every rank raises, none is left waiting)
             raise ValueError(f"plan_memory: the ranks of the group passed different budgets ({budgets} bytes, by "
                              "rank): every rank must pass the same one (for example the smallest of theirs)")
         agreeing = AgreeingProber(prober, collectives)
-        profile = agreeing.profile_step(stack, step_fn)
-        plan = agreeing.agree(lambda: found(Planner(stack, profile, agreeing, resolution, microbatches_in_flight)),
-                              lambda text: MemoryPlan.from_json(text, stack if model is None else model, prober))
+        with prober.in_training(step_fn):
+            profile = agreeing.profile_step(stack, step_fn)
+            plan = agreeing.agree(lambda: found(Planner(stack, profile, agreeing, resolution, microbatches_in_flight)),
+                                  lambda text: MemoryPlan.from_json(text, stack if model is None else model, prober))
     SwapManager().reset_stats()  # (the probes' traffic is not the user's)
     return plan
 

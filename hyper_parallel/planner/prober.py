@@ -11,7 +11,7 @@ implements only its framework's primitives.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Optional, Protocol, Sequence, Tuple
 
 from .options import LayerOption, OpKey
 from .profile import Effect, LayerType, StepProfile
@@ -66,6 +66,11 @@ class Prober(Protocol):
 
     def find_layers(self, model: Any) -> Tuple[str, Sequence[Any]]:
         """A model's layer stack: its attribute path and layers (a clear error if none)."""
+        ...
+
+    def in_training(self, step_fn: Callable[[], Any]) -> ContextManager[Any]:
+        """The block runs with one ``step_fn()`` done first, as in the middle of training (an
+        optimizer's lazily created state exists); what that call changed is put back after it."""
         ...
 
     def submodule(self, model: Any, path: str) -> Any:

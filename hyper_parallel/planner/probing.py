@@ -139,10 +139,14 @@ class LayerLog:
         self._outputs: Dict[int, int] = {}        # layer -> id of its output activation
         self._given: Dict[int, Any] = {}          # layer -> a weak reference to its input
 
-    # -- the layer hooks
+    # -- the layer hooks (the first micro-step is recorded: every micro-batch runs the same)
     def on_pre(self, j: int, args: tuple, kwargs: dict) -> None:
+        if j in self.inputs:
+            self.layer = None
+            return
         self.layer = j
-        self.arg_shapes[j] = tuple((tuple(t.shape), str(t.dtype)) for t in tensors_in(args, self._tensor_type))
+        self.arg_shapes[j] = tuple((tuple(t.shape), str(t.dtype), bool(getattr(t, "requires_grad", False)))
+                                   for t in tensors_in(args, self._tensor_type))
         x = args[0] if args and isinstance(args[0], self._tensor_type) else None
         if x is not None:
             self._given[j] = weakref.ref(x)
@@ -150,6 +154,8 @@ class LayerLog:
         self.flows.append(x is not None and self._outputs.get(j - 1) == id(x))
 
     def on_post(self, j: int, out: Any) -> None:
+        if self.layer is None:
+            return
         self.layer = None
         self._outputs[j] = id(hidden(out, self._tensor_type))
         # (autograd keeps aliases of what it saves: the input object itself outlives the next
@@ -440,13 +446,13 @@ class ChainProber(abc.ABC):
         n = len(layers)
         # Call 1: the memory timeline, every layer's ops and saved storages.
         trace = self._instrumented(layers, step_fn, device)
-        check_layer_events(trace.segments, n, self.step_hint)
+        micro_steps, first_backward = check_layer_events(trace.segments, n, self.step_hint)
         log = trace.log
         records = []
         for j in range(n):
             sizes = sorted(log.saved.get(j, {}).values(), reverse=True)
             records.append(LayerRecord(j, "", log.ops.get(j, []), sizes, log.inputs.get(j, 0),
-                                       input_held=j in log.held))
+                                       input_held=j in log.held, backward=j >= first_backward))
         types = self._layer_types(layers, records, log.arg_shapes)
         # Call 2: the plain step's time and each layer's; an input of every layer kept for probes.
         step_s = self._timed_call(layers, step_fn, device, records, types, trace.state)
@@ -457,7 +463,8 @@ class ChainProber(abc.ABC):
             device=str(device), segments=trace.segments, layers=records, types=types,
             baseline_bytes=trace.baseline_bytes, peak_bytes=trace.peak_bytes, step_s=step_s,
             param_bytes=max(trace.param_bytes, trace.grad_bytes), grad_bytes=trace.grad_bytes,
-            copy_bytes_per_s=self._copy_bytes_per_s(device), overlaps=self._copies_overlap(device), notes=notes)
+            copy_bytes_per_s=self._copy_bytes_per_s(device), overlaps=self._copies_overlap(device), notes=notes,
+            micro_steps=micro_steps)
 
     def _timed_call(self, layers: Sequence[Any], step_fn: Callable[[], Any], device: Any,
                     records: List[LayerRecord], types: Dict[str, LayerType], state: Any) -> float:
@@ -471,7 +478,7 @@ class ChainProber(abc.ABC):
 
         def timed_pre(j: int, args: tuple, kwargs: dict) -> None:
             self.synchronize(device)
-            if j in first:
+            if j in first and first[j].probe_inputs is None:  # (the first micro-batch's)
                 t = now()
                 first[j].probe_inputs = self._probe_input(layers[j], args, kwargs, handles)
                 self.synchronize(device)
@@ -509,9 +516,10 @@ class ChainProber(abc.ABC):
         signatures: Dict[Any, str] = {}
         for j, (layer, record) in enumerate(zip(layers, records)):
             signature = (type(layer).__qualname__,
-                         tuple((n, tuple(p.shape), str(p.dtype)) for n, p in self._named_parameters(layer)),
+                         tuple((n, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
+                               for n, p in self._named_parameters(layer)),
                          arg_shapes.get(j), tuple((r.key, r.new_bytes, r.saved) for r in record.ops),
-                         tuple(record.saved_sizes))
+                         tuple(record.saved_sizes), record.backward)
             key = signatures.get(signature)
             if key is None:
                 key = signatures[signature] = f"{type(layer).__name__}#{len(signatures)}"

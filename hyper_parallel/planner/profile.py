@@ -30,16 +30,20 @@ class Segment:
     ``kind``: ``"pre"`` (before the first layer), ``"fwd"`` (layer ``layer``'s forward), ``"gap"``
     (after layer ``layer``'s forward until the next one starts; after the last layer this is the
     loss head and everything up to the first layer backward), ``"bwd"`` (layer ``layer``'s
-    backward, up to the next layer's backward or the end of the step)."""
+    backward, up to the next layer's backward or the end of the step, or the next micro-step).
+    ``micro_step``: which forward + backward of the step it is part of (a step accumulating
+    gradients over ``k`` micro-batches runs ``k``)."""
 
     kind: str
     layer: int
     start: int
     peak: int
+    micro_step: int = 0
 
     @property
     def name(self) -> str:
-        return self.kind if self.layer < 0 else f"{self.kind} {self.layer}"
+        name = self.kind if self.layer < 0 else f"{self.kind} {self.layer}"
+        return f"{name} (micro-step {self.micro_step})" if self.micro_step else name
 
 
 @dataclass
@@ -68,6 +72,9 @@ class LayerRecord:
     #: the model still held its input when the next layer ended (the first layer of a Hugging
     #: Face model: its forward keeps the embeddings), so the layer chain cannot offload it
     input_held: bool = False
+    #: the step runs the layer's backward (not so for a frozen prefix: no gradient reaches it,
+    #: autograd saves nothing there, and leaving it as it is is its only option)
+    backward: bool = True
 
 
 @dataclass
@@ -127,6 +134,9 @@ class StepProfile:
     copy_bytes_per_s: float  # host <-> device copy bandwidth (one direction)
     overlaps: bool           # copies run on a copy stream beside compute (an accelerator)
     notes: List[str] = field(default_factory=list)
+    #: forward + backward passes through the stack per step (gradient accumulation: one per
+    #: micro-batch); each runs every layer's option once
+    micro_steps: int = 1
 
     def type_of(self, layer: int) -> LayerType:
         return self.types[self.layers[layer].type_key]

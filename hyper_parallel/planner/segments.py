@@ -57,13 +57,16 @@ class Segments:
         self.meter = meter
         self.segments: List[Segment] = []
         self.end_bytes = 0
+        self._micro_step = 0
 
     def mark(self, kind: str, layer: int) -> None:
         peak = self.meter.reset_peak()
         if self.segments:
             self.segments[-1].peak = max(self.segments[-1].start, peak)
+            if kind == "fwd" and self.segments[-1].kind == "bwd":  # (the next micro-batch's forward)
+                self._micro_step += 1
         start = self.meter.current_bytes
-        self.segments.append(Segment(kind, layer, start, start))
+        self.segments.append(Segment(kind, layer, start, start, self._micro_step))
 
     def close(self) -> None:
         """End the last segment (at the end of the measured region); ``end_bytes`` is what is
@@ -74,12 +77,12 @@ class Segments:
 
 class BackwardTimer:
     """:func:`layer_marks`'s target in the timing call of the step: the seconds of each layer's
-    backward, from its mark to the next one (the last layer to run its backward, the first of the
-    stack, has no next mark and is not timed). ``synchronize`` waits for the device's queued work
-    before each reading, so that an accelerator's time is the kernels', not their launches'."""
+    backward, from its mark to the next one of the same micro-step (the last layer to run its
+    backward has no next mark and is not timed). ``synchronize`` waits for the device's queued
+    work before each reading, so that an accelerator's time is the kernels', not their launches'."""
 
     def __init__(self, now: Callable[[], float], synchronize: Callable[[], None]) -> None:
-        self.marks: List[Tuple[int, float]] = []
+        self.marks: List[Tuple[int, float]] = []  # (layer, time); layer -1: a forward started
         self._now = now
         self._synchronize = synchronize
 
@@ -87,9 +90,11 @@ class BackwardTimer:
         if kind == "bwd":
             self._synchronize()
             self.marks.append((layer, self._now()))
+        elif kind == "fwd" and self.marks and self.marks[-1][0] >= 0:
+            self.marks.append((-1, 0.0))
 
     def backward_times(self) -> Dict[int, float]:
-        return {j: t_next - t for (j, t), (_, t_next) in zip(self.marks, self.marks[1:])}
+        return {j: t_next - t for (j, t), (k, t_next) in zip(self.marks, self.marks[1:]) if j >= 0 and k >= 0}
 
 
 def layer_marks(layers: Sequence[Any], target: Any, in_backward: Callable[[], bool],
@@ -128,15 +133,31 @@ def layer_marks(layers: Sequence[Any], target: Any, in_backward: Callable[[], bo
     return handles
 
 
-def check_layer_events(segments: Sequence[Segment], n: int, hint: str = "") -> None:
-    """Refuse (``RuntimeError``) a step whose segments are not ``pre``, each layer's ``fwd`` and
-    ``gap`` in order, then each layer's ``bwd`` from the last to the first. ``hint``: how to write
-    the step in the framework at hand, appended to the message."""
+def check_layer_events(segments: Sequence[Segment], n: int, hint: str = "") -> Tuple[int, int]:
+    """The step's micro-steps and the first layer whose backward runs, from its segments: ``pre``,
+    then per micro-step (one, or one per micro-batch of gradient accumulation) each layer's ``fwd``
+    and ``gap`` in order and the ``bwd`` of the layers from the last down to the first one a
+    gradient reaches (a frozen prefix runs none), the same layers in every micro-step. Anything
+    else is a ``RuntimeError`` naming what the step did (``hint``: how to write the step in the
+    framework at hand, appended)."""
     kinds = [(s.kind, s.layer) for s in segments]
-    expected = [("pre", -1)] + [(k, j) for j in range(n) for k in ("fwd", "gap")] + \
-               [("bwd", j) for j in range(n - 1, -1, -1)]
-    if kinds != expected:
+    forward = [(k, j) for j in range(n) for k in ("fwd", "gap")]
+    micro_steps, first, at = 0, None, 1
+    ok = kinds[:1] == [("pre", -1)]
+    while ok and at < len(kinds):
+        ok = kinds[at:at + len(forward)] == forward
+        at += len(forward)
+        j = n - 1
+        while ok and at < len(kinds) and kinds[at] == ("bwd", j):
+            at, j = at + 1, j - 1
+        ok = ok and j < n - 1 and (first is None or first == j + 1)
+        first = j + 1
+        micro_steps += 1
+    if not ok or not micro_steps:
         raise RuntimeError(
-            "plan_memory: step_fn must run every layer's forward once, in order, then the backward "
-            f"through all of them (got the layer events {[f'{k} {j}' for k, j in kinds[:12]]}...). Pass the "
-            f"model's layer stack in the order its forward calls it, and a step_fn doing one forward + backward{hint}.")
+            "plan_memory: step_fn must run, once per micro-batch (several for gradient accumulation), every layer's "
+            "forward once, in order, then the backward through the layers from the last down to the first one a "
+            "gradient reaches (a frozen prefix runs none), the same layers each time "
+            f"(got the layer events {[f'{k} {j}' for k, j in kinds[:16]]}{'...' if len(kinds) > 16 else ''}). Pass "
+            f"the model's layer stack in the order its forward calls it, and a step_fn doing forward + backward{hint}.")
+    return micro_steps, first

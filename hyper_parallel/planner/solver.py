@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .cost import relation
+from .cost import contributions, relation
 from .profile import Effect, Segment
 
 __all__ = ["Problem", "solve", "exact_peak", "min_peak", "lower_bound", "solve_milp", "lp_bound", "have_scipy"]
@@ -67,7 +67,8 @@ class Problem:
 def _layer_constraints(problem: Problem) -> List[List[Tuple[float, Tuple[Tuple[str, int], ...], Tuple[Tuple[str, int], ...]]]]:
     """For each layer ``j``: the segments whose bytes are decided once ``o[j]`` is known, as
     ``(constant, relations of layer j-1, relations of layer j)``; ``constant`` is the reference
-    peak plus the worst case of layers after ``j`` (only ``after`` effects, about zero). Segments
+    peak plus the worst case of the ``after`` effects (about zero) of the layers after ``j`` and,
+    in a later micro-step of gradient accumulation, of every layer's earlier micro-steps. Segments
     in which a layer ``i < j - 1`` stands other than ``old`` do not exist."""
     n = problem.layers
     worst_after = [max(e.bytes["after"] for e in problem.options[i]) for i in range(n)]
@@ -78,9 +79,10 @@ def _layer_constraints(problem: Problem) -> List[List[Tuple[float, Tuple[Tuple[s
         j = s.layer
         # the last layer whose relation to s is not "after": s is decided once it is placed
         owner = j
-        constant = s.peak + sum(worst_after[i] for i in range(owner + 1, n))
-        prev = relation(owner - 1, s, n, problem.held) if owner >= 1 else None
-        own = relation(owner, s, n, problem.held) or ()
+        earlier = s.micro_step * sum(worst_after[i] for i in range(n) if i not in (owner - 1, owner))
+        constant = s.peak + sum(worst_after[i] for i in range(owner + 1, n)) + earlier
+        prev = contributions(owner - 1, s, n, problem.held) if owner >= 1 else None
+        own = contributions(owner, s, n, problem.held)
         for i in range(owner - 1):
             rel = relation(i, s, n, problem.held)
             carried = ("input_kept", "fwd_age1") if i == n - 2 or i in problem.held else ("old",)
@@ -259,7 +261,7 @@ def exact_peak(problem: Problem, choice: Sequence[int]) -> float:
     effects = [problem.options[i][k] for i, k in enumerate(choice)]
     n = problem.layers
     extra = (problem.in_flight - 1) * (problem.retained + sum(problem.head_value(i, e) for i, e in enumerate(effects)))
-    return max((s.peak + sum(_value(e, relation(i, s, n, problem.held) or ()) for i, e in enumerate(effects))
+    return max((s.peak + sum(_value(e, contributions(i, s, n, problem.held)) for i, e in enumerate(effects))
                 for s in problem.segments), default=0.0) + extra
 
 
@@ -322,8 +324,8 @@ def _matrices(problem: Problem, budget: float):
     for s in problem.segments:
         row = others * carried
         for i in range(n):
-            rel = relation(i, s, n, problem.held)
-            if rel is None:
+            rel = contributions(i, s, n, problem.held)
+            if not rel:
                 continue
             for k, e in enumerate(problem.options[i]):
                 row[offsets[i] + k] += _value(e, rel)

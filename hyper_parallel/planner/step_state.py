@@ -12,7 +12,7 @@ this module imports no framework.
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 __all__ = ["StepState"]
 
@@ -24,6 +24,7 @@ class StepState(abc.ABC):
     def __init__(self) -> None:
         self.written: Dict[Any, Tuple[Any, Any]] = {}
         self._rng: Any = None
+        self._objects: List[Tuple[Any, Any]] = []  # (object, snapshot of its attributes)
 
     # -- what a framework implements
     @abc.abstractmethod
@@ -56,14 +57,47 @@ class StepState(abc.ABC):
     def save_rng(self) -> None:
         self._rng = self._rng_state()
 
+    def keep_object(self, obj: Any) -> None:
+        """Put ``obj``'s attributes back after the run as they are now: an optimizer's state (its
+        per-parameter entries, created lazily by its first step, and their step counters), a
+        learning-rate scheduler's counters, a gradient scaler's scale. Containers (dicts, lists)
+        get their contents back in place; tensors are the same objects again (their values, where
+        the run wrote them in place, come back through :meth:`keep`)."""
+        self._objects.append((obj, _snapshot(vars(obj))))
+
     def again(self) -> "StepState":
-        """A state that snapshots the same tensors now, for another call of the step."""
+        """A state that snapshots the same tensors and objects now, for another call of the step."""
         other = type(self)()
         for t, _ in self.written.values():
             other.keep(t)
+        for obj, _ in self._objects:
+            other.keep_object(obj)
         return other
 
     def restore(self) -> None:
         self._write_back(self.written.values())
+        for _, snapshot in self._objects:
+            _put_back(snapshot)
         if self._rng is not None:
             self._set_rng_state(self._rng)
+
+
+def _snapshot(value: Any) -> Tuple[Any, ...]:
+    """``value`` and, for a dict or a list, what it holds now (recursively)."""
+    if isinstance(value, dict):
+        return ("dict", value, [(k, _snapshot(v)) for k, v in value.items()])
+    if isinstance(value, list):
+        return ("list", value, [_snapshot(v) for v in value])
+    return ("value", value)
+
+
+def _put_back(snapshot: Tuple[Any, ...]) -> Any:
+    """The object of ``snapshot`` with the contents it had then, in place."""
+    kind, value = snapshot[0], snapshot[1]
+    if kind == "dict":
+        items = [(k, _put_back(v)) for k, v in snapshot[2]]
+        value.clear()
+        value.update(items)
+    elif kind == "list":
+        value[:] = [_put_back(v) for v in snapshot[2]]
+    return value

@@ -79,6 +79,12 @@ class _StepState(StepState):
 
     def restore(self) -> None:
         super().restore()
+        self.restore_gradients()
+
+    def restore_gradients(self) -> None:
+        """Put back the ``.grad`` of every leaf seen, and their values (accumulated into in place)."""
+        grads = {_storage_key(g) for _, g in self.leaves.values() if g is not None and _backed(g)}
+        self._write_back(v for k, v in self.written.items() if k in grads)
         for leaf, grad in self.leaves.values():
             leaf.grad = grad
 
@@ -242,6 +248,23 @@ class TorchProber(ChainProber):
             state.restore()
         return meter.peak_bytes - (_unrelated_bytes(recorder) if device.type == "cpu" else 0)
 
+    @contextlib.contextmanager
+    def in_training(self, step_fn: Callable[[], Any]) -> Iterator[None]:
+        """The block runs with one ``step_fn()`` done first, as in the middle of training: what a
+        step creates for good (an optimizer's state, made by its first step; a scaler's scale)
+        exists, so that what planning profiles is the step training repeats; the gradients are put
+        back as they were (the step is profiled from them, as the loop runs it). Everything that
+        call changed (parameters stepped, optimizer and scheduler state, generators) is put back
+        after the block."""
+        state = self._watched_state()
+        try:
+            with _Recorder(state, self.key_of, self._backend.written_tensors):
+                step_fn()
+            state.restore_gradients()
+            yield
+        finally:
+            state.restore()
+
     @staticmethod
     def collectives(group: Any) -> Any:
         """The ``torch.distributed`` collectives of ``plan_memory(..., group=group)``, or ``None``
@@ -251,12 +274,17 @@ class TorchProber(ChainProber):
     @staticmethod
     def _watched_state() -> _StepState:
         """A fresh state for a step: the generators saved, every live parameter's ``.grad`` seen
-        (FSDP2 sets its sharded parameters' ``.grad`` itself: no op of the step names them)."""
+        (FSDP2 sets its sharded parameters' ``.grad`` itself: no op of the step names them), and
+        every optimizer, learning-rate scheduler and gradient scaler kept as it is (a step may
+        step them: their lazily created state and counters go back afterwards)."""
         state = _StepState()
         state.save_rng()
         gc.collect()  # (garbage in reference cycles would count as live memory, and its parameters as the step's)
-        for p in _parameters():
+        parameters, stateful = _live_training_objects()
+        for p in parameters:
             state.see_leaf(p)
+        for obj in stateful:
+            state.keep_object(obj)
         return state
 
     # ------------------------------------------------------------------ devices and time
@@ -446,6 +474,9 @@ class _ProbeInput:
         self.device = x.device
         self.requires_grad = x.requires_grad
         self._host = _host_copy((args, kwargs))
+        # (the layer ran under the step's autocast, if any: its copies do too)
+        self._autocast = [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
+                          for d in {"cpu", x.device.type} if torch.is_autocast_enabled(d)]
 
     def inputs(self, copies: int = 1) -> List[Any]:
         """The input on the device for a chain of ``copies``: ``[activation, calls]``, ``calls``
@@ -463,7 +494,15 @@ class _ProbeInput:
 
     def forward(self, layer: torch.nn.Module) -> Any:
         x, [(rest, kwargs)] = self.inputs()
-        return layer(x, *rest, **kwargs)
+        with self._as_in_the_step():
+            return layer(x, *rest, **kwargs)
+
+    def _as_in_the_step(self) -> contextlib.ExitStack:
+        """The autocast the step ran the layer under (the backward runs outside it, as there)."""
+        stack = contextlib.ExitStack()
+        for device_type, dtype, cache in self._autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+        return stack
 
     def run(self, copies: Sequence[torch.nn.Module], inputs: Optional[List[Any]] = None) -> None:
         """Forward through the chain of copies and backward from its end, as the step does: the
@@ -480,8 +519,9 @@ class _ProbeInput:
         x, calls = inputs
         inputs.clear()
         h = x.detach().requires_grad_(True).clone() if self.requires_grad else x
-        for layer, (rest, kwargs) in zip(copies, calls):
-            h = hidden(layer(h, *rest, **kwargs), torch.Tensor)
+        with self._as_in_the_step():
+            for layer, (rest, kwargs) in zip(copies, calls):
+                h = hidden(layer(h, *rest, **kwargs), torch.Tensor)
         return h
 
 
@@ -493,11 +533,25 @@ def _backed(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() >= extent * t.element_size()
 
 
-def _parameters() -> List[torch.nn.Parameter]:
-    """Every parameter alive in the process (``type`` first: ``isinstance`` on an arbitrary object
-    may evaluate a ``__class__`` property, and some warn)."""
+#: What a training step may step besides the model: their state goes back after every run.
+_STATEFUL = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau,
+             torch.amp.GradScaler)
+
+
+def _live_training_objects() -> Tuple[List[torch.nn.Parameter], List[Any]]:
+    """Every parameter alive in the process, and every optimizer, scheduler and gradient scaler
+    (``type`` first: ``isinstance`` on an arbitrary object may evaluate a ``__class__`` property,
+    and some warn)."""
     tensor_type = torch.Tensor
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), tensor_type) and isinstance(obj, torch.nn.Parameter)]
+    parameters, stateful = [], []
+    for obj in gc.get_objects():
+        cls = type(obj)
+        if issubclass(cls, tensor_type):
+            if isinstance(obj, torch.nn.Parameter):
+                parameters.append(obj)
+        elif issubclass(cls, _STATEFUL):
+            stateful.append(obj)
+    return parameters, stateful
 
 
 def _unrelated_bytes(recorder: _Recorder) -> int:
