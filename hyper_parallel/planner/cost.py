@@ -130,15 +130,16 @@ def retained_bytes(profile: StepProfile, effects: Sequence[Effect]) -> int:
 
 
 def breakdown(profile: StepProfile, effects: Sequence[Effect], where: str) -> List[Tuple[str, int]]:
-    """What the bytes of segment ``where`` are made of, for messages: live at the step's start
-    (of which parameters), gradients, and the rest (activations and the running layer's work)."""
+    """What the bytes of segment ``where`` are made of, for messages (the parts add up to them):
+    live at the step's start (the parameters the step uses, and the rest: optimizer state,
+    inputs, gradients kept from before), what the backward made of gradients by then (at most its
+    gradients), and the rest (activations kept for backward and the running layer's work)."""
     segment = next(s for s in profile.segments if s.name == where)
     total = segment_bytes(segment, effects, profile.held_inputs())
-    grads = profile.grad_bytes if segment.kind == "bwd" else 0
-    start = profile.baseline_bytes
-    return [("parameters", profile.param_bytes),
-            ("other memory live at the start of the step (inputs, optimizer state, ...)",
-             max(0, start - profile.param_bytes)),
-            ("parameter gradients (allocated in backward)", grads),
-            ("activations kept for backward and the running layer's working set",
-             max(0, total - start - grads))]
+    start = min(profile.baseline_bytes, total)
+    params = min(profile.param_bytes, start)
+    grads = min(profile.grad_bytes, total - start) if segment.kind == "bwd" else 0
+    return [("parameters", params),
+            ("other memory live at the start of the step (optimizer state, inputs, ...)", start - params),
+            ("gradients made by the backward", grads),
+            ("activations kept for backward and the running layer's working set", total - start - grads)]

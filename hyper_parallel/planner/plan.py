@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -73,7 +74,7 @@ class MemoryPlan:
                  reference_peak_bytes: int, reference_step_s: float, device: str, notes: Sequence[str] = (),
                  probes: int = 0, reserved_bytes: int = 0, microbatches_in_flight: int = 1,
                  reference_forward_s: float = 0.0, modelled_peak_bytes: Optional[int] = None,
-                 peak_measured: bool = False) -> None:
+                 peak_measured: bool = False, input_shape: Sequence[int] = (), baseline_bytes: int = 0) -> None:
         if len(choices) != len(layers):
             raise ValueError(f"MemoryPlan: {len(choices)} layer choices for a stack of {len(layers)} layers")
         self.layers = layers
@@ -96,7 +97,10 @@ class MemoryPlan:
         self.reference_forward_s = reference_forward_s
         self.modelled_peak_bytes = predicted_peak_bytes if modelled_peak_bytes is None else modelled_peak_bytes
         self.peak_measured = peak_measured
+        self.input_shape = tuple(input_shape)
+        self.baseline_bytes = baseline_bytes
         self.applied = False
+        self._guard: Optional[_ShapeGuard] = None
         self.policies: List[Any] = []
         #: the model the stack was found in (``plan_memory(model, ...)``) and its attribute path
         self.model: Any = None
@@ -107,10 +111,19 @@ class MemoryPlan:
     def swaps(self) -> bool:
         return any(c.option.swaps for c in self.choices)
 
-    def apply(self) -> "MemoryPlan":
+    def apply(self, on_new_shape: str = "warn") -> "MemoryPlan":
         """Wrap every layer as planned (in place) and, when a layer swaps, chain the stack for
         the layer-by-layer offload and prefetch. Returns the plan. Applying twice, or to layers
-        that are already wrapped, is an error."""
+        that are already wrapped, is an error.
+
+        The plan holds for the activation it was made for (:attr:`input_shape`, the first layer's
+        input) and any no larger in every dimension. A bigger one (a longer sequence, a bigger
+        batch) may peak over the budget: ``on_new_shape`` says what then happens, once per new
+        shape: ``"warn"`` (a ``UserWarning`` naming the planned and the seen shapes and the peak
+        to expect), ``"raise"`` (a ``RuntimeError`` before the first layer runs) or ``"ignore"``.
+        Plan for the largest batch (``plan_memory(..., batches=...)``) to cover a data loader."""
+        if on_new_shape not in _ON_NEW_SHAPE:
+            raise ValueError(f"MemoryPlan.apply(on_new_shape=...) must be one of {_ON_NEW_SHAPE}, got {on_new_shape!r}")
         if self.applied:
             raise RuntimeError("MemoryPlan.apply(): this plan was applied already; a layer is wrapped once. Make "
                                "a new plan (or MemoryPlan.from_json) for another copy of the model.")
@@ -128,7 +141,25 @@ class MemoryPlan:
             manager = SwapManager()
             for first, second in zip(self.layers, list(self.layers)[1:]):
                 manager.set_forward_prefetch_layer(first, second)
+        if on_new_shape != "ignore" and self.input_shape:
+            self._guard = _ShapeGuard(self, on_new_shape == "raise")
+            self.layers[0].register_forward_pre_hook(self._guard)
         return self
+
+    def covers(self, shape: Sequence[int]) -> bool:
+        """Whether an input activation of ``shape`` is one the plan holds for: no larger than the
+        planned one in any dimension."""
+        shape = tuple(shape)
+        return len(shape) == len(self.input_shape) and all(s <= p for s, p in zip(shape, self.input_shape))
+
+    def expected_peak(self, shape: Sequence[int]) -> int:
+        """About the peak of a step whose first layer gets an activation of ``shape``: what the
+        step adds to the memory it starts with, scaled by the activation's size (an estimate;
+        memory quadratic in the sequence, eager attention's, grows faster)."""
+        planned = _numel(self.input_shape)
+        scale = _numel(shape) / planned if planned else 1.0
+        grown = self.predicted_peak_bytes - self.baseline_bytes
+        return int(self.baseline_bytes + grown * scale)
 
     # ------------------------------------------------------------------ reading
     def report(self) -> str:
@@ -141,6 +172,8 @@ class MemoryPlan:
                  f"  every layer left as it is: peak {format_bytes(self.reference_peak_bytes)}, "
                  f"step {self.reference_step_s * 1e3:.1f} ms; the smallest reachable peak "
                  f"{format_bytes(self.min_budget_bytes)}"]
+        if self.input_shape:
+            lines.append(f"  holds for a first-layer input of {self.input_shape} and any no larger in every dimension")
         if self.microbatches_in_flight > 1 or self.reserved_bytes:
             lines.append(f"  pipeline stage: {self.microbatches_in_flight} micro-batch(es) in flight, the planned one "
                          f"included; {format_bytes(self.reserved_bytes)} held by the schedule itself (in the peaks)")
@@ -195,7 +228,8 @@ class MemoryPlan:
                "notes": self.notes, "probes": self.probes, "stack_path": self.stack_path,
                "reserved_bytes": self.reserved_bytes, "microbatches_in_flight": self.microbatches_in_flight,
                "reference_forward_s": self.reference_forward_s, "modelled_peak_bytes": self.modelled_peak_bytes,
-               "peak_measured": self.peak_measured,
+               "peak_measured": self.peak_measured, "input_shape": list(self.input_shape),
+               "baseline_bytes": self.baseline_bytes,
                "layers": [c.to_json() for c in self.choices],
                "seen": {k: [key.to_json() for key in keys] for k, keys in sorted(self.seen.items())}}
         return json.dumps(doc, indent=1, sort_keys=True)
@@ -233,11 +267,48 @@ class MemoryPlan:
                    microbatches_in_flight=doc.get("microbatches_in_flight", 1),
                    reference_forward_s=doc.get("reference_forward_s", 0.0),
                    modelled_peak_bytes=doc.get("modelled_peak_bytes"),
-                   peak_measured=bool(doc.get("peak_measured", False)))._found_in(model, doc.get("stack_path"))
+                   peak_measured=bool(doc.get("peak_measured", False)), input_shape=doc.get("input_shape", ()),
+                   baseline_bytes=doc.get("baseline_bytes", 0))._found_in(model, doc.get("stack_path"))
 
     def _found_in(self, model: Any, path: Optional[str]) -> "MemoryPlan":
         self.model, self.stack_path = model, path
         return self
+
+
+_ON_NEW_SHAPE = ("warn", "raise", "ignore")
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+class _ShapeGuard:
+    """The first layer's forward pre-hook of an applied plan: an activation bigger than the plan
+    was made for is a warning (once per shape) or an error (see :meth:`MemoryPlan.apply`)."""
+
+    def __init__(self, plan: MemoryPlan, strict: bool) -> None:
+        self.plan = plan
+        self.strict = strict
+        self.seen: set = set()
+
+    def __call__(self, module: Any, args: tuple) -> None:
+        x = args[0] if args else None
+        shape = tuple(getattr(x, "shape", ()))
+        if not shape or self.plan.covers(shape) or shape in self.seen:
+            return
+        plan = self.plan
+        message = (f"hyper_parallel memory plan: the layer stack's input is {shape}, the plan was made for "
+                   f"{plan.input_shape} (and anything no larger): this step may peak at about "
+                   f"{format_bytes(plan.expected_peak(shape))}, over the budget of {format_bytes(plan.budget_bytes)}. "
+                   "Plan for the largest batch (plan_memory(..., batches=[...]) with a sample of the loader's batches), "
+                   "or apply(on_new_shape='raise') to stop such a step.")
+        if self.strict:
+            raise RuntimeError(message)
+        self.seen.add(shape)
+        warnings.warn(message, UserWarning, stacklevel=2)
 
 
 class _Bound:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from hyper_parallel.core.swap_manager import SwapManager
@@ -228,7 +229,8 @@ class Planner:
                           reference_step_s=step0, device=self.profile.device, notes=notes,
                           probes=self.probes, reserved_bytes=reserved, microbatches_in_flight=self.in_flight,
                           reference_forward_s=self.forward_seconds(), modelled_peak_bytes=prediction.peak_bytes + reserved,
-                          peak_measured=measured is not None)
+                          peak_measured=measured is not None, input_shape=self.profile.layers[0].input_shape,
+                          baseline_bytes=self.profile.baseline_bytes)
 
     def _choose(self, room: int) -> Optional[List[LayerOption]]:
         """The fastest options whose predicted peak fits ``room`` (``None``: none does)."""
@@ -291,9 +293,9 @@ class Planner:
         return LayerChoice(index, record.type_key, option, kept, swapped, recomputed, effect.seconds)
 
 
-def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str], *,
-                microbatches_in_flight: int = 1, group: Any = None, prober: Optional[Any] = None,
-                resolution: int = 2048) -> MemoryPlan:
+def plan_memory(layers: Any, step_fn: Callable[..., Any], budget: Union[int, str], *,
+                batches: Optional[Sequence[Any]] = None, microbatches_in_flight: int = 1, group: Any = None,
+                prober: Optional[Any] = None, resolution: int = 2048) -> MemoryPlan:
     """Choose SAVE / RECOMPUTE / SWAP for every layer of ``layers`` so that one ``step_fn()`` peaks
     at most at ``budget`` bytes of device memory, as fast as the options allow.
 
@@ -358,9 +360,64 @@ def plan_memory(layers: Any, step_fn: Callable[[], Any], budget: Union[int, str]
     """
     prober = prober if prober is not None else active_prober()
     budget_bytes = parse_budget(budget)
-    return make_plan(layers, step_fn, lambda planner, measure: planner.plan(budget_bytes, measure=measure),
-                     prober=prober, group=group, microbatches_in_flight=microbatches_in_flight, resolution=resolution,
-                     budget=budget_bytes)
+    step, note = _step_of(step_fn, batches)
+
+    def answer(planner: Planner, measure: Optional[Measure]) -> MemoryPlan:
+        plan = planner.plan(budget_bytes, measure=measure)
+        if note:
+            plan.notes.append(note)
+        return plan
+
+    return make_plan(layers, step, answer, prober=prober, group=group, microbatches_in_flight=microbatches_in_flight,
+                     resolution=resolution, budget=budget_bytes)
+
+
+def _step_of(step_fn: Callable[..., Any], batches: Optional[Sequence[Any]]) -> Tuple[Callable[[], Any], str]:
+    """The zero-argument step planning calls: ``step_fn`` itself, or ``step_fn(batch)`` with the
+    largest of ``batches`` (by the bytes of its tensors); and what the report says of it."""
+    if not callable(step_fn):
+        raise TypeError(f"plan_memory: step_fn must be a callable running one training step (forward + backward), "
+                        f"got {step_fn!r}")
+    try:
+        signature = inspect.signature(step_fn)
+    except (TypeError, ValueError):  # (a builtin or extension callable: taken as it is)
+        signature = None
+    if batches is None:
+        if signature is not None and not _binds(signature):
+            raise TypeError(f"plan_memory: step_fn{signature} takes arguments; planning calls it with none. Pass a "
+                            "zero-argument step (a closure over its batch), or batches=[...] (a sample of the data "
+                            "loader's batches: step_fn(batch) is planned for the largest)")
+        return step_fn, ""
+    sample = list(batches)
+    if not sample:
+        raise ValueError("plan_memory: batches is empty; pass a sample of the data loader's batches")
+    if signature is not None and not _binds(signature, sample[0]):
+        raise TypeError(f"plan_memory: step_fn{signature} must take one batch: with batches=[...], planning calls "
+                        "step_fn(batch) with the largest of them")
+    sizes = [_tensor_bytes(b) for b in sample]
+    largest = sample[max(range(len(sample)), key=lambda i: sizes[i])]
+    note = (f"planned for the largest of {len(sample)} batches ({format_bytes(max(sizes))} of tensors): it holds for "
+            "any batch whose layer input is no larger in every dimension")
+    return (lambda: step_fn(largest)), note
+
+
+def _binds(signature: inspect.Signature, *args: Any) -> bool:
+    try:
+        signature.bind(*args)
+    except TypeError:
+        return False
+    return True
+
+
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in a batch (nested in dicts, lists and tuples; any framework's
+    tensors, by their ``nbytes``)."""
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    nbytes = getattr(value, "nbytes", None)
+    return int(nbytes) if hasattr(value, "shape") and isinstance(nbytes, int) else 0
 
 
 #: ``measure(options)``: the step's peak with the stack wrapped so, measured (``Planner.plan``)
@@ -383,9 +440,6 @@ def make_plan(layers: Any, step_fn: Callable[[], Any], answer: Callable[[Planner
         path, layers = prober.find_layers(model)
         container = prober.submodule(model, path)
     stack = _layer_list(layers, prober)
-    if not callable(step_fn):
-        raise TypeError(f"plan_memory: step_fn must be a zero-argument callable running one forward + backward, "
-                        f"got {step_fn!r}")
     settable = container if prober.is_container(container) else None
 
     def measure(options: List[LayerOption]) -> Optional[int]:

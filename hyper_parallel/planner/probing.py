@@ -137,6 +137,7 @@ class LayerLog:
         self.flows: List[bool] = []               # per layer: its input is the previous layer's output
         self.held: List[int] = []                 # layers whose input outlived the next layer
         self._outputs: Dict[int, int] = {}        # layer -> id of its output activation
+        self.reshapes: Dict[int, Tuple[Any, Any]] = {}  # layer -> (input, output) (shape, dtype) where they differ
         self._given: Dict[int, Any] = {}          # layer -> a weak reference to its input
 
     # -- the layer hooks (the first micro-step is recorded: every micro-batch runs the same)
@@ -150,6 +151,7 @@ class LayerLog:
         x = args[0] if args and isinstance(args[0], self._tensor_type) else None
         if x is not None:
             self._given[j] = weakref.ref(x)
+            self._entered = (tuple(x.shape), str(x.dtype))
         self.inputs[j] = self._storage_bytes(x) if x is not None else 0
         self.flows.append(x is not None and self._outputs.get(j - 1) == id(x))
 
@@ -157,7 +159,10 @@ class LayerLog:
         if self.layer is None:
             return
         self.layer = None
-        self._outputs[j] = id(hidden(out, self._tensor_type))
+        h = hidden(out, self._tensor_type)
+        self._outputs[j] = id(h)
+        if (tuple(h.shape), str(h.dtype)) != getattr(self, "_entered", None):
+            self.reshapes[j] = (getattr(self, "_entered", None), (tuple(h.shape), str(h.dtype)))
         # (autograd keeps aliases of what it saves: the input object itself outlives the next
         # layer only where the program holds it)
         earlier = self._given.pop(j - 1, None)
@@ -196,8 +201,8 @@ class StepTrace:
     log: LayerLog
     baseline_bytes: int
     peak_bytes: int
-    param_bytes: int         # the layers' parameters
-    grad_bytes: int          # the gradients of the parameters the step reached
+    param_bytes: int         # the parameters the step reached
+    grad_bytes: int          # the gradients its backward makes (of the leaves its forward used)
     #: what the step changes, put back after the call: ``state.again()`` snapshots the same tensors
     #: now, for the timing call (an object with ``again``, ``save_rng`` and ``restore``)
     state: Any
@@ -448,11 +453,22 @@ class ChainProber(abc.ABC):
         trace = self._instrumented(layers, step_fn, device)
         micro_steps, first_backward = check_layer_events(trace.segments, n, self.step_hint)
         log = trace.log
+        changed = {j: io for j, io in log.reshapes.items() if j >= first_backward}
+        if changed:
+            j, (given, made) = sorted(changed.items())[0]
+            raise ValueError(
+                f"plan_memory: layer {j} ({type(layers[j]).__name__}) turns its input {given} into {made} (shape, "
+                "dtype): the planner measures a layer's options on a chain of copies of it, each fed the one "
+                "before's output, so every layer whose backward runs must give back an activation like the one it "
+                "got. Plan the part of the stack whose layers keep the activation's shape (pass that stack, and "
+                "leave the layers that change it unwrapped).")
         records = []
         for j in range(n):
             sizes = sorted(log.saved.get(j, {}).values(), reverse=True)
+            shapes = log.arg_shapes.get(j) or ((),)
             records.append(LayerRecord(j, "", log.ops.get(j, []), sizes, log.inputs.get(j, 0),
-                                       input_held=j in log.held, backward=j >= first_backward))
+                                       input_held=j in log.held, backward=j >= first_backward,
+                                       input_shape=tuple(shapes[0][0])))
         types = self._layer_types(layers, records, log.arg_shapes)
         # Call 2: the plain step's time and each layer's; an input of every layer kept for probes.
         step_s = self._timed_call(layers, step_fn, device, records, types, trace.state)
@@ -462,7 +478,7 @@ class ChainProber(abc.ABC):
         return StepProfile(
             device=str(device), segments=trace.segments, layers=records, types=types,
             baseline_bytes=trace.baseline_bytes, peak_bytes=trace.peak_bytes, step_s=step_s,
-            param_bytes=max(trace.param_bytes, trace.grad_bytes), grad_bytes=trace.grad_bytes,
+            param_bytes=trace.param_bytes, grad_bytes=trace.grad_bytes,
             copy_bytes_per_s=self._copy_bytes_per_s(device), overlaps=self._copies_overlap(device), notes=notes,
             micro_steps=micro_steps)
 

@@ -75,6 +75,8 @@ class LayerRecord:
     #: the step runs the layer's backward (not so for a frozen prefix: no gradient reaches it,
     #: autograd saves nothing there, and leaving it as it is is its only option)
     backward: bool = True
+    #: the shape of its input activation
+    input_shape: Tuple[int, ...] = ()
 
 
 @dataclass
@@ -129,8 +131,8 @@ class StepProfile:
     baseline_bytes: int      # live at the start of the step
     peak_bytes: int          # the step's peak, as profiled
     step_s: float            # the step's time, uninstrumented
-    param_bytes: int
-    grad_bytes: int          # gradients of the parameters the step reached
+    param_bytes: int         # the parameters the step reached
+    grad_bytes: int          # the gradients its backward makes (of the leaves its forward used)
     copy_bytes_per_s: float  # host <-> device copy bandwidth (one direction)
     overlaps: bool           # copies run on a copy stream beside compute (an accelerator)
     notes: List[str] = field(default_factory=list)

@@ -132,6 +132,7 @@ class _Recorder(TorchDispatchMode):
         # forgotten then (here and in the log)
         self.created: Dict[int, Any] = {}
         self.reached: Dict[int, int] = {}  # storages the step used that existed before it -> bytes
+        self.grad_leaves: Dict[int, int] = {}  # leaves the forward reached requiring grad -> bytes
 
     def _made(self, key: int, storage: Any) -> None:
         def forget(_: Any, key: int = key) -> None:
@@ -157,6 +158,8 @@ class _Recorder(TorchDispatchMode):
                     self.reached[key] = t.untyped_storage().nbytes()
             if forward and arg.requires_grad and arg.is_leaf:
                 self.state.see_leaf(arg)
+                for t in local_tensors(arg):
+                    self.grad_leaves[_storage_key(t)] = t.untyped_storage().nbytes()
         written = self.written(func, args, kwargs)  # (declared or not: BatchNorm's statistics)
         mutating = bool(written)
         for t in written:
@@ -367,11 +370,12 @@ class TorchProber(ChainProber):
         for segment in segments:
             segment.start += before
             segment.peak += before
-        params = {_storage_key(t): t.untyped_storage().nbytes() for layer in layers for p in layer.parameters()
-                  for t in local_tensors(p)}
-        leaves = {_storage_key(leaf): leaf.untyped_storage().nbytes() for leaf, _ in state.leaves.values()}
+        # (what the step owns: the parameters it reached, the gradients of the leaves its forward used)
+        parameters = {_storage_key(t) for leaf, _ in state.leaves.values() if isinstance(leaf, torch.nn.Parameter)
+                      for t in local_tensors(leaf)}
+        params = sum(n for key, n in recorder.reached.items() if key in parameters)
         return StepTrace(segments, log, meter.baseline_bytes + before, meter.peak_bytes + before,
-                         sum(params.values()), sum(leaves.values()), state)
+                         params, sum(recorder.grad_leaves.values()), state)
 
     def _probe_input(self, layer: torch.nn.Module, args: tuple, kwargs: dict, hooks: Sequence[Any]) -> "_ProbeInput":
         return _ProbeInput(layer, args, kwargs, hooks)
