@@ -145,7 +145,8 @@ def combine_effects(effects: Sequence[Effect], what: str) -> Effect:
         found = _first_difference(effects[0].bytes, effect.bytes, "bytes changed")
         if found:
             raise _disagreement(what, *found, rank)
-    return Effect(dict(effects[0].bytes), max(e.seconds for e in effects), measured=all(e.measured for e in effects))
+    return Effect(dict(effects[0].bytes), max(e.seconds for e in effects), measured=all(e.measured for e in effects),
+                  noise=max(e.noise for e in effects))
 
 
 def combine_op_seconds(times: Sequence[Dict[OpKey, float]], what: str) -> Dict[OpKey, float]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from hyper_parallel.core.swap_manager import SwapManager
@@ -19,8 +21,15 @@ from .profile import Effect, LayerType, StepProfile
 
 __all__ = ["plan_memory", "Planner", "make_plan"]
 
+#: Where planning says what it is doing (INFO: profile, each probe, solving, each check run;
+#: ``logging.getLogger("hyper_parallel.planner").setLevel(logging.WARNING)`` silences it).
+log = logging.getLogger("hyper_parallel.planner")
+
 #: At most this many options are probed per layer type while the solution still uses modelled ones.
 _MAX_PROBES = 24
+#: Options whose times differ by less than this share of the layer's own time (or than twice
+#: the timing noise) count as equally fast (``Planner.seconds``).
+TIME_TOLERANCE = 0.05
 #: A plan is checked by running it at most this many times (each over-budget run tightens the next).
 _CHECKS = 4
 #: What a checked plan leaves free under its budget: another meter of the same live storages (or
@@ -73,6 +82,7 @@ class Planner:
             effect = cand.ZERO
         else:
             ltype = self.profile.types[key]
+            log.info("probe %d: %s of %s (layers %s)", self.probes + 1, option.name(), key, ltype.layers)
             effect, self._references[key] = self.prober.probe(ltype, option, self.seen[key], self._references.get(key))
             self.probes += 1
             if key in self.calibration:
@@ -103,15 +113,43 @@ class Planner:
             return cand.ZERO
         return cand.model_effect(option, self.profile.types[key], self.calibration[key])
 
+    def tolerance(self, key: str) -> float:
+        """The seconds within which two options of type ``key`` count as equally fast: twice the
+        noise its probes' timings showed (runs timed in turns, see ``ChainProber.probe``), and at
+        least :data:`TIME_TOLERANCE` of the layer's own forward + backward."""
+        reference = self._references.get(key)
+        layer_s = reference["time"] / 3 if reference and "time" in reference else 0.0
+        noise = max((self.effects[(key, o)].noise for o in self.options[key] if (key, o) in self.effects), default=0.0)
+        return max(TIME_TOLERANCE * layer_s, 2 * noise)
+
+    def seconds(self, key: str, option: LayerOption) -> float:
+        """What ``option`` costs a layer of type ``key`` as choices see it: the options' times,
+        sorted, fall into groups, each of the times within :meth:`tolerance` of its fastest, and
+        every option costs its group's fastest. Options within noise of each other then tie, and
+        ties go to the option listed first (no wrapper first): one step planned twice gives one
+        plan, whatever the noise within a group."""
+        tol = self.tolerance(key)
+        mine = self.effect(key, option).seconds
+        if tol <= 0:
+            return mine
+        group = 0.0
+        for t in sorted(self.effect(key, o).seconds for o in self.options[key]):
+            if t > mine:
+                break
+            if t - group > tol:
+                group = t
+        return group
+
     def _problem(self, measured_only: bool = False) -> Tuple[solver.Problem, List[List[LayerOption]]]:
         per_layer: List[List[LayerOption]] = []
         effects: List[List[Effect]] = []
         for record in self.profile.layers:
-            opts = self.options[record.type_key]
+            key = record.type_key
+            opts = self.options[key]
             if measured_only:
-                opts = self._measured(record.type_key)
+                opts = self._measured(key)
             per_layer.append(opts)
-            effects.append([self.effect(record.type_key, o) for o in opts])
+            effects.append([dataclasses.replace(self.effect(key, o), seconds=self.seconds(key, o)) for o in opts])
         return solver.Problem(self.profile.segments, effects, self.profile.held_inputs(), self.in_flight,
                               float(reference_retained(self.profile))), per_layer
 
@@ -141,9 +179,9 @@ class Planner:
         every layer goes back to ``none``)."""
         chosen = list(chosen)
         for i, record in enumerate(self.profile.layers):  # (one pass, three tries a layer: cheap)
-            here = self.effect(record.type_key, chosen[i]).seconds
+            here = self.seconds(record.type_key, chosen[i])
             # (at equal time, leaving the layer alone first: a probe's noise can make an option "free")
-            seconds = {o: self.effect(record.type_key, o).seconds for o in self._measured(record.type_key)}
+            seconds = {o: self.seconds(record.type_key, o) for o in self._measured(record.type_key)}
             faster = sorted((o for o, t in seconds.items() if o != chosen[i] and (t < here or t == here and o.kind
                              == "none")), key=lambda o: (seconds[o], o.kind != "none"))
             for option in faster[:3]:
@@ -187,11 +225,13 @@ class Planner:
         target, measured, chosen = room, None, None
         smallest = self.min_budget()[1]
         for check in range(_CHECKS):
+            log.info("solving for %s of room", format_bytes(target))
             chosen = self._choose(target)
             if chosen is None and measure is not None and target < room or check == _CHECKS - 1 and measure:
                 chosen = smallest  # (tightened past every plan's prediction, or out of tries: the smallest, if it fits)
             if chosen is None or measure is None:
                 break
+            log.info("checking the plan by running it (%d of at most %d)", check + 1, _CHECKS)
             measured = measure(chosen)
             if measured is None or measured + CHECK_MARGIN_BYTES <= room:
                 break
@@ -460,6 +500,7 @@ def make_plan(layers: Any, step_fn: Callable[[], Any], answer: Callable[[Planner
         return plan
 
     collectives = prober.collectives(group)
+    log.info("planning %d layers: one step as training runs it, then the profile (2 calls of step_fn)", len(stack))
     if collectives is None:
         with prober.in_training(step_fn):
             profile = prober.profile_step(stack, step_fn)

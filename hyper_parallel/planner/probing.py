@@ -553,15 +553,19 @@ class ChainProber(abc.ABC):
         source: ProbeSource = ltype.probe_inputs
         if reference is None:
             reference = {"middle": self._chain_memory(source, [None] * 4, seen),
-                         "last": self._chain_memory(source, [None] * 2, seen),
-                         "time": self._chain_time(source, None, seen)}
+                         "last": self._chain_memory(source, [None] * 2, seen)}
         middle = self._chain_memory(source, [None, option, None, None], seen)  # a layer amid the stack
         last = self._chain_memory(source, [None, option], seen)  # the last layer
         effect = _chain_effect(_differences(middle, reference["middle"]), _differences(last, reference["last"]))
         # Every option adds work to the layer (recompute, copies, bookkeeping): a run measured faster
-        # than the plain layer is timing noise, and counts as free.
-        seconds = max(0.0, (self._chain_time(source, option, seen) - reference["time"]) / 3)
-        return Effect(effect, seconds, measured=True), reference
+        # than the plain layer is timing noise, and counts as free. The noise: half the spread of
+        # the differences of the runs timed in turns.
+        plain, wrapped = self._chain_times(source, option, seen)
+        reference.setdefault("time", min(plain))
+        seconds = max(0.0, (min(wrapped) - min(plain)) / 3)
+        differences = [w - p for p, w in zip(plain, wrapped)]
+        noise = (max(differences) - min(differences)) / 2 / 3
+        return Effect(effect, seconds, measured=True, noise=noise), reference
 
     def _copies(self, source: ProbeSource, options: Sequence[Optional[LayerOption]],
                 seen: Sequence[OpKey]) -> List[Any]:
@@ -605,27 +609,34 @@ class ChainProber(abc.ABC):
         ends = [s.start for s in cut.segments[1:]] + [cut.end_bytes]
         return {s.name: (s.start, s.peak, end) for s, end in zip(cut.segments, ends)}
 
-    def _chain_time(self, source: ProbeSource, option: Optional[LayerOption], seen: Sequence[OpKey]) -> float:
-        """Seconds of one forward + backward of three copies, all wrapped by ``option`` (the
-        fastest of several runs, each on fresh inputs, after one untimed run)."""
-        copies = self._copies(source, [option] * 3, seen)
+    def _chain_times(self, source: ProbeSource, option: LayerOption, seen: Sequence[OpKey]
+                     ) -> Tuple[List[float], List[float]]:
+        """Seconds of one forward + backward of three copies left as they are and of three all
+        wrapped by ``option``, timed in turns (each after one untimed run, on fresh inputs), so
+        that what slows the machine down meanwhile slows both: ``PROBE_REPEATS`` of each."""
+        plain = self._copies(source, [None] * 3, seen)
+        wrapped = self._copies(source, [option] * 3, seen)
         now = self._clock(source.device)
-        best = float("inf")
+        times: Tuple[List[float], List[float]] = ([], [])
         try:
-            with self._kept(source, copies, watch=False), self._timing_mode():
-                source.run(copies)
-                for _ in range(PROBE_REPEATS):
-                    self._clear_grads(copies)
-                    inputs = source.inputs(len(copies))
-                    self.synchronize(source.device)
-                    with no_gc():
-                        t0 = now()
-                        source.run(copies, inputs)
+            with self._kept(source, [*plain, *wrapped], watch=False), self._timing_mode():
+                source.run(plain)
+                source.run(wrapped)
+                for r in range(PROBE_REPEATS):
+                    for k in ((0, 1) if r % 2 == 0 else (1, 0)):  # (alternating which goes first)
+                        copies = (plain, wrapped)[k]
+                        self._clear_grads(copies)
+                        inputs = source.inputs(len(copies))
                         self.synchronize(source.device)
-                        best = min(best, now() - t0)
+                        with no_gc():
+                            t0 = now()
+                            source.run(copies, inputs)
+                            self.synchronize(source.device)
+                            times[k].append(now() - t0)
         finally:
-            self._forget(copies)
-        return best
+            self._forget(plain)
+            self._forget(wrapped)
+        return times
 
     def op_seconds(self, ltype: LayerType) -> Dict[OpKey, float]:
         """Forward seconds of each op kind of ``ltype``'s layer (the sum over its calls; the

@@ -110,11 +110,13 @@ RELATIONS = (
 class Effect:
     """What one :class:`LayerOption` changes against leaving the layer as it is: bytes per relation
     (``RELATIONS``; negative frees memory) and seconds per step. ``measured``: by a probe (else
-    modelled from the probes of its type's other options)."""
+    modelled from the probes of its type's other options); ``noise``: how far two timings of it
+    differed (seconds)."""
 
     bytes: Dict[str, int]
     seconds: float
     measured: bool = False
+    noise: float = 0.0
 
     def __getitem__(self, relation: str) -> int:
         return self.bytes[relation]
