@@ -60,6 +60,7 @@ class Planner:
         self.effects: Dict[Tuple[str, LayerOption], Effect] = {}
         self.calibration: Dict[str, cand.Calibration] = {}
         self._references: Dict[str, Any] = {}
+        self._derived: Dict[Tuple[Any, ...], Any] = {}  # modelled effects and grouped times, until the next probe
         self.probes = 0
         self.seen: Dict[str, List[OpKey]] = {}
         for key, ltype in profile.types.items():
@@ -88,6 +89,7 @@ class Planner:
             if key in self.calibration:
                 cand.fit(self.calibration[key], option, ltype, effect)
         self.effects[(key, option)] = effect
+        self._derived.clear()  # (a measurement can change the calibration, the models and the grouping)
         return effect
 
     def _calibrate(self, key: str, ltype: LayerType) -> None:
@@ -111,7 +113,11 @@ class Planner:
             return found
         if option.kind == "none":
             return cand.ZERO
-        return cand.model_effect(option, self.profile.types[key], self.calibration[key])
+        modelled = self._derived.get(("model", key, option))
+        if modelled is None:
+            modelled = self._derived[("model", key, option)] = cand.model_effect(option, self.profile.types[key],
+                                                                                self.calibration[key])
+        return modelled
 
     def tolerance(self, key: str) -> float:
         """The seconds within which two options of type ``key`` count as equally fast: twice the
@@ -128,17 +134,17 @@ class Planner:
         every option costs its group's fastest. Options within noise of each other then tie, and
         ties go to the option listed first (no wrapper first): one step planned twice gives one
         plan, whatever the noise within a group."""
-        tol = self.tolerance(key)
-        mine = self.effect(key, option).seconds
-        if tol <= 0:
-            return mine
-        group = 0.0
-        for t in sorted(self.effect(key, o).seconds for o in self.options[key]):
-            if t > mine:
-                break
-            if t - group > tol:
-                group = t
-        return group
+        grouped = self._derived.get(("grouped", key))
+        if grouped is None:
+            tol = self.tolerance(key)
+            grouped, group = {}, 0.0
+            for o in sorted(self.options[key], key=lambda o: self.effect(key, o).seconds):
+                t = self.effect(key, o).seconds
+                if t - group > tol:
+                    group = t
+                grouped[o] = group if tol > 0 else t
+            self._derived[("grouped", key)] = grouped
+        return grouped[option]
 
     def _problem(self, measured_only: bool = False) -> Tuple[solver.Problem, List[List[LayerOption]]]:
         per_layer: List[List[LayerOption]] = []
@@ -333,9 +339,9 @@ class Planner:
         return LayerChoice(index, record.type_key, option, kept, swapped, recomputed, effect.seconds)
 
 
-def plan_memory(layers: Any, step_fn: Callable[..., Any], budget: Union[int, str], *,
+def plan_memory(layers: Any, step_fn: Callable[..., Any], budget: Union[int, str, Sequence[Union[int, str]]], *,
                 batches: Optional[Sequence[Any]] = None, microbatches_in_flight: int = 1, group: Any = None,
-                prober: Optional[Any] = None, resolution: int = 2048) -> MemoryPlan:
+                prober: Optional[Any] = None, resolution: int = 2048) -> Any:
     """Choose SAVE / RECOMPUTE / SWAP for every layer of ``layers`` so that one ``step_fn()`` peaks
     at most at ``budget`` bytes of device memory, as fast as the options allow.
 
@@ -343,13 +349,26 @@ def plan_memory(layers: Any, step_fn: Callable[..., Any], budget: Union[int, str
       or a list), not wrapped yet: ``model.model.layers`` in Hugging Face decoders,
       ``model.transformer.h`` in GPT-2; or the model itself, whose stack is found as
       ``find_layer_stack`` finds it (the longest ``ModuleList`` / ``ModuleDict`` of blocks of one
-      class; the report names it; none, or two of the same length, is a ``ValueError``). A Hugging
-      Face model needs ``hyper_parallel.integrations.transformers`` imported.
-    - ``step_fn()``: one training forward + backward, as the training loop runs it (no optimizer
-      step). The planner calls it twice (once instrumented, once timed) and puts back what it
-      changed: the parameters' gradients, tensors it wrote in place (BatchNorm statistics) and the
-      random number generators.
-    - ``budget``: bytes (``int``) or a string (``"512MiB"``, ``"6GB"``): the absolute peak device
+      class; the report names it; none, or two of the same length, is a ``ValueError``). Hugging
+      Face models work as they are (no import to add).
+    - ``step_fn()``: one training step as the loop runs it, on the same batch every call: the
+      forward and backward through the stack, and what goes with them: ``zero_grad``, an
+      optimizer step (any ``torch.optim`` optimizer, its state made lazily or not), a scheduler
+      step, a ``GradScaler``, ``torch.autocast``, gradient accumulation over several micro-batches
+      (each runs every layer's forward, in order, then the backward through the layers a gradient
+      reaches: a frozen prefix runs none), frozen layers. The rules: every layer runs its forward
+      once per micro-batch, the same layers each time, and each layer gives back an activation
+      shaped like its input; anything else is an error saying which rule the step broke. The
+      planner calls it several times: once first, so that what a step creates for good (an
+      optimizer's state) is there as in training, then twice to profile it, then once per check
+      of a plan; afterwards everything it changed is put back as it was (parameters, gradients,
+      optimizer, scheduler and scaler state, buffers such as BatchNorm statistics, the random
+      number generators): training after planning is bitwise training without it.
+    - ``batches``: a sample of the data loader's batches; ``step_fn(batch)`` then takes one, and
+      the plan is made for the largest (by the bytes of its tensors). An applied plan warns (or
+      raises: ``apply(on_new_shape="raise")``) when a bigger activation comes.
+    - ``budget``: bytes (``int``) or a string (``"512MiB"``, ``"6GB"``), or a list of them (one
+      profile, one set of probes: a list of plans comes back): the absolute peak device
       memory of one ``step_fn()`` call (``torch.cuda.max_memory_allocated()`` after
       ``reset_peak_memory_stats()`` just before it; on a CPU the live storages, the library's host
       buffers excluded), parameters, gradients, inputs and activations included. On MindSpore:
@@ -399,17 +418,21 @@ def plan_memory(layers: Any, step_fn: Callable[..., Any], budget: Union[int, str
         ['none', 'none', 'none', 'none']
     """
     prober = prober if prober is not None else active_prober()
-    budget_bytes = parse_budget(budget)
+    several = isinstance(budget, (list, tuple))
+    budgets = [parse_budget(b) for b in (budget if several else [budget])]
+    if not budgets:
+        raise ValueError("plan_memory: the list of budgets is empty")
     step, note = _step_of(step_fn, batches)
 
-    def answer(planner: Planner, measure: Optional[Measure]) -> MemoryPlan:
-        plan = planner.plan(budget_bytes, measure=measure)
-        if note:
-            plan.notes.append(note)
-        return plan
+    def answer(planner: Planner, measure: Optional[Measure]) -> Any:
+        plans = [planner.plan(b, measure=measure) for b in budgets]
+        for plan in plans:
+            if note:
+                plan.notes.append(note)
+        return plans if several else plans[0]
 
     return make_plan(layers, step, answer, prober=prober, group=group, microbatches_in_flight=microbatches_in_flight,
-                     resolution=resolution, budget=budget_bytes)
+                     resolution=resolution, budget=budgets if several else budgets[0])
 
 
 def _step_of(step_fn: Callable[..., Any], batches: Optional[Sequence[Any]]) -> Tuple[Callable[[], Any], str]:
@@ -464,9 +487,9 @@ def _tensor_bytes(value: Any) -> int:
 Measure = Callable[[List[LayerOption]], Optional[int]]
 
 
-def make_plan(layers: Any, step_fn: Callable[[], Any], answer: Callable[[Planner, Optional[Measure]], MemoryPlan], *,
+def make_plan(layers: Any, step_fn: Callable[[], Any], answer: Callable[[Planner, Optional[Measure]], Any], *,
               prober: Any, group: Any = None, microbatches_in_flight: int = 1, resolution: int = 2048,
-              budget: Optional[int] = None) -> MemoryPlan:
+              budget: Any = None) -> Any:
     """Profile ``step_fn`` and return ``answer(planner, measure)``, the plan a :class:`Planner` of
     the profile gives (``layers``: a stack or a model, as :func:`plan_memory` takes them): on this
     process, or (``group``: see :func:`plan_memory`) on the group's first rank with the profiles
@@ -489,15 +512,16 @@ def make_plan(layers: Any, step_fn: Callable[[], Any], answer: Callable[[Planner
     planner_seen: Dict[str, List[OpKey]] = {}
     type_keys: List[str] = []
 
-    def found(planner: Planner) -> MemoryPlan:
+    def found(planner: Planner) -> Any:
         planner_seen.update(planner.seen)
         type_keys[:] = [r.type_key for r in planner.profile.layers]
-        plan = answer(planner, measure if collectives is None and microbatches_in_flight == 1 else None)
-        if model is not None:
-            plan.model, plan.stack_path = model, path
-            plan.notes.insert(0, f"layer stack: {type(model).__name__}.{path} ({len(stack)} x "
-                                 f"{type(stack[0]).__name__})")
-        return plan
+        answered = answer(planner, measure if collectives is None and microbatches_in_flight == 1 else None)
+        for plan in answered if isinstance(answered, list) else [answered]:
+            if model is not None:
+                plan.model, plan.stack_path = model, path
+                plan.notes.insert(0, f"layer stack: {type(model).__name__}.{path} ({len(stack)} x "
+                                     f"{type(stack[0]).__name__})")
+        return answered
 
     collectives = prober.collectives(group)
     log.info("planning %d layers: one step as training runs it, then the profile (2 calls of step_fn)", len(stack))
@@ -506,6 +530,9 @@ def make_plan(layers: Any, step_fn: Callable[[], Any], answer: Callable[[Planner
             profile = prober.profile_step(stack, step_fn)
             plan = found(Planner(stack, profile, prober, resolution, microbatches_in_flight))
     else:
+        if isinstance(budget, list):
+            raise ValueError("plan_memory: several budgets are planned by one process: pass group=False (a group "
+                             "of ranks agrees on one plan for one budget)")
         budgets = collectives.all_gather(budget)
         if len(set(budgets)) > 1:  # (before any work: every rank raises, none is left waiting)
             raise ValueError(f"plan_memory: the ranks of the group passed different budgets ({budgets} bytes, by "
