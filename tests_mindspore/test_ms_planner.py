@@ -366,3 +366,31 @@ def test_the_report_and_json_say_what_was_measured(setup):
     assert "predicted peak" in report
     if _ON_CPU:
         assert "estimated" in report and any("estimated" in n for n in setup.profile.notes)
+
+
+@pytest.mark.slow
+def test_a_step_with_an_adam_step_is_planned_and_left_as_found():
+    # nn.Adam runs its update as a compiled graph no dispatch mode sees: planning keeps every
+    # parameter of every optimizer alive (moments, beta powers, the step count, the model's
+    # parameters it updates) and puts them back, so training after planning is training without it.
+    def trainer(seed: int = 0):
+        model = _build(seed)
+        opt = nn.Adam(model.trainable_params(), learning_rate=1e-2)
+        grad_fn = ms.value_and_grad(model, None, opt.parameters)
+
+        def step(i: int) -> float:
+            idx, tgt = ms_model.make_batch(model.cfg, _BATCH, i)
+            loss, grads = grad_fn(idx, tgt)
+            opt(grads)
+            return float(loss.asnumpy())
+        return model, opt, step
+
+    plain_model, _, plain = trainer()
+    model, opt, step = trainer()
+    before = {p.name: p.asnumpy().copy() for p in opt.get_parameters()}
+    plan_memory(model.layers, lambda: step(0), "8GiB")
+    after = {p.name: p.asnumpy() for p in opt.get_parameters()}
+    changed = [name for name in before if not np.array_equal(before[name], after[name])]
+    assert not changed, f"planning changed {changed[:5]}"
+    assert [plain(i) for i in range(3)] == [step(i) for i in range(3)]
+    assert_all_equal([p.asnumpy() for p in plain_model.trainable_params()], [p.asnumpy() for p in model.trainable_params()])

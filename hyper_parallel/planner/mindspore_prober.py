@@ -169,6 +169,22 @@ def _storage(t: Tensor) -> Optional[Tuple[int, int]]:
     return (ptr, nbytes) if nbytes > 0 else None
 
 
+def _keep_optimizers(state: "_StepState") -> Dict[int, int]:
+    """Keep in ``state`` every parameter of every live optimizer (its moments, step counters and
+    the model's parameters it updates: a MindSpore optimizer runs as a compiled graph, whose
+    writes no dispatch mode sees); returns their storages and bytes."""
+    kept: Dict[int, int] = {}
+    optimizer = nn.Optimizer
+    for obj in gc.get_objects():
+        if issubclass(type(obj), optimizer):
+            for p in obj.get_parameters():
+                state.keep(p)
+                found = _storage(p)
+                if found:
+                    kept[found[0]] = found[1]
+    return kept
+
+
 # ----------------------------------------------------------------------------------- host buffers
 class _HostMarks:
     """Storages that are host memory (the swap engine's host buffers): never counted as device
@@ -773,6 +789,7 @@ class MindSporeProber(ChainProber):
         cpu = _accelerator() is None
         state = _StepState()
         state.save_rng()
+        optimizer_state = _keep_optimizers(state)
         log = self._layer_log()
         try:
             with contextlib.ExitStack() as stack:
@@ -788,7 +805,9 @@ class MindSporeProber(ChainProber):
         if cpu:
             # The step's memory on a CPU: what it allocates (counted) plus the storages it reached that
             # existed before it (parameters, inputs; as the budget counts them), whatever else the process holds.
-            before = sum(reached.values())
+            # (an optimizer's state and what it updates are written by its compiled graph, which no
+            # dispatch mode sees: they are the step's memory too)
+            before = sum(reached.values()) + sum(n for key, n in optimizer_state.items() if key not in reached)
             for segment in segments:
                 segment.start += before
                 segment.peak += before
@@ -850,8 +869,20 @@ class MindSporeProber(ChainProber):
 
     @contextlib.contextmanager
     def in_training(self, step_fn: Callable[[], Any]) -> Iterator[None]:
-        """The block runs as planned from where training is now (no step run first here)."""
-        yield
+        """The block runs with one ``step_fn()`` done first, as in the middle of training; what that
+        call changed (parameters, the optimizers' state, which their compiled graphs update unseen
+        by any dispatch mode, the generator) is put back after the block."""
+        state = _StepState()
+        state.save_rng()
+        _keep_optimizers(state)
+        try:
+            with contextlib.ExitStack() as stack:  # (what the step writes of what existed before is kept)
+                live = stack.enter_context(LiveTensorMeter())
+                stack.enter_context(_TraceMode(live=live, state=state, shield=_Shield()))
+                step_fn()
+            yield
+        finally:
+            state.restore()
 
     # ------------------------------------------------------------------ checking a plan
     @staticmethod
