@@ -1,6 +1,6 @@
 """Step time and peak memory of each mode eager and under ``torch.compile``, on the bench GPT.
 
-For every recipe (``hyper_parallel.bench.modes``) two variants in the shared runner: the recipe
+For every recipe (``hyper_parallel.bench.modes``) two variants on the benchmark harness: the recipe
 eager and ``<recipe>+compile`` (``torch.compile(model)``, default inductor backend), side by side,
 compiled during the warm-up, then timed interleaved (one step of each per round); the table
 reports the median forward + backward time, the compiled / eager ratio, the peak memory of one
@@ -19,7 +19,6 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import List, Optional
@@ -28,11 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from hyper_parallel.bench import report, runner  # noqa: E402
+from hyper_parallel.bench import harness, report  # noqa: E402
 from hyper_parallel.bench.model import GPTConfig  # noqa: E402
 from hyper_parallel.bench.modes import RECIPES  # noqa: E402
 from hyper_parallel.bench.report import MiB, ratio  # noqa: E402
-from hyper_parallel.bench.timing import median  # noqa: E402
 from hyper_parallel.core.activation_checkpoint import SwapManager  # noqa: E402
 
 DEFAULT_RECIPES = ["none", "ours_recompute", "ours_save", "ours_ckpt_swap", "ours_swap_wrapper"]
@@ -44,35 +42,29 @@ def close(a: List[float], b: List[float]) -> bool:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = report.script_parser(__doc__, seed=0, threads=False)
     ap.add_argument("--recipes", default=",".join(DEFAULT_RECIPES))
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--json", default=None)
+    for name, default in (("layers", 2), ("dim", 64), ("heads", 2), ("seq", 64), ("batch", 4), ("rounds", 8),
+                          ("warmup", 2)):
+        ap.add_argument(f"--{name}", type=int, default=default)
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]
     bad = [n for n in names if n not in RECIPES]
     if bad:
         ap.error(f"unknown recipe(s) {', '.join(bad)}; choose from {', '.join(RECIPES)}")
-
-    device = torch.device(args.device)
+    device, dtype = report.script_setup(args, ap)
     cfg = GPTConfig(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, dropout=0.0)
-    run = runner.run_variants([k for n in names for k in (n, n + runner.COMPILED)], cfg, batch=args.batch,
-                              device=device, rounds=args.rounds, warmup=args.warmup, lr=0.0, seed=0)
+    run = harness.run_variants([k for n in names for k in (n, n + harness.COMPILED)], cfg, batch=args.batch,
+                               device=device, dtype=dtype, rounds=args.rounds, warmup=args.warmup, lr=0.0,
+                               seed=args.seed)
     for name, why in {**run.skipped, **run.errors}.items():
         print(f"FAILED {name}: {why}", file=sys.stderr)
     rows, doc = [], {"device": str(device), "config": cfg.to_dict(), "batch": args.batch, "rows": {}}
     for name in names:
-        e, c = (run.variants.get(k) for k in (name, name + runner.COMPILED))
+        e, c = (run.variants.get(k) for k in (name, name + harness.COMPILED))
         if e is None or c is None:
             continue
-        te, tc = median(e.times), median(c.times)
+        te, tc = harness.median(e.times), harness.median(c.times)
         ok = close(e.losses, c.losses)
         rows.append([name, "%.2f" % (te * 1e3), "%.2f" % (tc * 1e3), "%.2f" % (tc / te), "%.2f" % (e.peak_bytes / MiB),
                      "n/a" if c.peak_bytes is None else "%.2f" % (c.peak_bytes / MiB), "yes" if ok else "NO"])

@@ -1,6 +1,6 @@
 """Step time of hyper-parallel's recompute against PyTorch's own, on the same model.
 
-Four variants (recipes of ``hyper_parallel.bench.modes``), timed interleaved by the shared runner
+Four variants (recipes of ``hyper_parallel.bench.modes``), timed interleaved by the benchmark harness
 (one step of each per round, the order reversed every other round, many rounds) so that machine
 noise hits all of them alike; medians are reported with the ratio ours / PyTorch's:
 
@@ -21,7 +21,6 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import List, Optional
@@ -30,40 +29,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from hyper_parallel.bench import report, runner  # noqa: E402
+from hyper_parallel.bench import harness, report  # noqa: E402
 from hyper_parallel.bench.model import GPTConfig  # noqa: E402
 from hyper_parallel.bench.modes import RECOMPUTE_VS_TORCH  # noqa: E402
-from hyper_parallel.bench.timing import median  # noqa: E402
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--json", default=None, help="write the medians and ratios here")
+    ap = report.script_parser(__doc__, seed=0, threads=False)
+    for name, default in (("layers", 4), ("dim", 256), ("heads", 4), ("seq", 256), ("batch", 4), ("rounds", 15),
+                          ("warmup", 2)):
+        ap.add_argument(f"--{name}", type=int, default=default)
     args = ap.parse_args(argv)
-
-    device = torch.device(args.device)
+    device, dtype = report.script_setup(args, ap)
     cfg = GPTConfig(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, dropout=0.0)
-    run = runner.run_variants(list(RECOMPUTE_VS_TORCH.values()), cfg, batch=args.batch, device=device,
-                              dtype=getattr(torch, args.dtype), rounds=args.rounds, warmup=args.warmup,
-                              lr=0.0, seed=0, metered=False)
+    run = harness.run_variants(list(RECOMPUTE_VS_TORCH.values()), cfg, batch=args.batch, device=device, dtype=dtype,
+                               rounds=args.rounds, warmup=args.warmup, lr=0.0, seed=args.seed, metered=False)
     for name, why in {**run.skipped, **run.errors}.items():
         print(f"FAILED {name}: {why}", file=sys.stderr)
     if run.skipped or run.errors:
         return 1
     times = {row: run.variants[recipe].times for row, recipe in RECOMPUTE_VS_TORCH.items()}
-    med = {row: median(ts) for row, ts in times.items()}
+    med = {row: harness.median(ts) for row, ts in times.items()}
     ratios = {"full": med["ours_full"] / med["torch_full"], "selective": med["ours_sac"] / med["torch_sac"]}
-    print(f"device={device} torch={torch.__version__} config={cfg.to_dict()} batch={args.batch} "
-          f"rounds={args.rounds}")
+    print(f"device={device} torch={torch.__version__} config={cfg.to_dict()} batch={args.batch} rounds={args.rounds}")
     print(report.table(["variant", "median ms", "min ms"],
                        [[row, "%.2f" % (med[row] * 1e3), "%.2f" % (min(times[row]) * 1e3)] for row in times],
                        align="lrr"))

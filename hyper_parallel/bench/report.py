@@ -1,16 +1,17 @@
-"""Reporting for every benchmark: tables, legends, loss comparison, swap statistics, the
-environment, JSON and charts.
+"""Reporting and command lines for every benchmark: tables, legends, loss comparison, swap
+statistics, the environment, JSON, charts, and the options the scripts share.
 
-Each benchmark (``python -m hyper_parallel.bench``, ``benchmarks/compare_peers.py``,
-``benchmarks/recompute_vs_torch.py``) builds its rows and prints them with :func:`table`; a
-legend of what each row wraps comes from the recipes' ``what`` (:func:`legend`); losses are
-compared with :func:`loss_check`; ``SwapManager().stats()`` is one line by :func:`swap_stats_line`;
-:func:`write_json` writes a result document and :func:`bar_chart` / :func:`sweep_chart` draw it
-(when matplotlib is installed: the ``bench`` extra).
+Each benchmark builds its rows and prints them with :func:`table`; a legend of what each row wraps
+comes from the recipes' ``what`` (:func:`legend`); losses are compared with :func:`loss_check`;
+``SwapManager().stats()`` is one line by :func:`swap_stats_line`; :func:`write_json` writes a result
+document and :func:`bar_chart` / :func:`sweep_chart` / :func:`pareto_chart` draw it (when matplotlib
+is installed: the ``bench`` extra). :func:`script_parser` and :func:`script_setup` give the scripts
+of ``benchmarks/`` their shared options (device, dtype, seed, threads, JSON) and check them.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -20,7 +21,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["MiB", "fmt", "ratio", "table", "legend", "loss_check", "swap_stats_line", "environment",
-           "plain", "write_json", "have_matplotlib", "bar_chart", "sweep_chart", "CPU_TIMING_NOTE"]
+           "compare_losses", "load_average", "plain", "write_json", "have_matplotlib", "bar_chart", "sweep_chart", "pareto_chart",
+           "CPU_TIMING_NOTE", "device_problem", "variant_names", "script_parser", "script_setup"]
 
 MiB = 1024 * 1024
 
@@ -72,6 +74,17 @@ def loss_check(losses: Sequence[float], baseline: Sequence[float], exact: bool,
     return {"equal": equal, "max_abs_diff": diff}
 
 
+def compare_losses(rows: Mapping[str, Dict[str, Any]], exact: bool, atol: float) -> Dict[str, Dict[str, Any]]:
+    """Every row's ``losses`` against the ``none`` row's (:func:`loss_check`), written into each row
+    as ``loss_equal_to_none`` / ``loss_max_abs_diff`` (``None`` without a ``none`` row) and returned."""
+    base = rows.get("none")
+    out = {n: ({"equal": None, "max_abs_diff": None} if base is None else
+               loss_check(r["losses"], base["losses"], exact, atol)) for n, r in rows.items()}
+    for n, r in rows.items():
+        r["loss_equal_to_none"], r["loss_max_abs_diff"] = out[n]["equal"], out[n]["max_abs_diff"]
+    return out
+
+
 def swap_stats_line(stats: Mapping[str, Any]) -> str:
     """``SwapManager().stats()`` (or its JSON form) in one line."""
     pool = stats.get("host_pool") or {}
@@ -85,29 +98,24 @@ def swap_stats_line(stats: Mapping[str, Any]) -> str:
 
 def environment(device: torch.device) -> Dict[str, Any]:
     """Device, versions and thread count, for a result document."""
-    env: Dict[str, Any] = {
-        "device": str(device),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpu_threads": torch.get_num_threads(),
-    }
+    env: Dict[str, Any] = {"device": str(device), "torch": torch.__version__, "python": sys.version.split()[0],
+                           "platform": platform.platform(), "cpu_threads": torch.get_num_threads()}
     if device.type != "cpu":
-        try:
-            dm = torch.get_device_module(device.type)
-            env["device_name"] = dm.get_device_name(device)
-            props = dm.get_device_properties(device)
-            env["device_memory_bytes"] = int(getattr(props, "total_memory", 0))
-        except Exception as exc:  # pragma: no cover - depends on the accelerator
-            env["device_name"] = f"unknown ({exc})"
-        env["cuda"] = getattr(torch.version, "cuda", None)
+        dm = torch.get_device_module(device.type)
+        env.update(device_name=dm.get_device_name(device), cuda=torch.version.cuda,
+                   device_memory_bytes=int(getattr(dm.get_device_properties(device), "total_memory", 0)))
     try:
-        import torchtune  # noqa: F401
+        import torchtune
 
-        env["torchtune"] = getattr(sys.modules["torchtune"], "__version__", "?")
-    except Exception:
+        env["torchtune"] = getattr(torchtune, "__version__", "?")
+    except Exception:  # absent, or failing on this torch
         env["torchtune"] = None
     return env
+
+
+def load_average() -> str:
+    """The machine's load average (1, 5, 15 minutes) as text, ``-`` where the OS has none."""
+    return " ".join("%.2f" % v for v in os.getloadavg()) if hasattr(os, "getloadavg") else "-"
 
 
 def plain(obj: Any) -> Any:
@@ -136,6 +144,70 @@ def write_json(path: str, doc: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+# --------------------------------------------------------------------------- command lines
+
+def device_problem(name: str) -> Optional[str]:
+    """Why ``--device name`` cannot run here (``None``: it can): not a device this torch build
+    knows, or an accelerator type (or index) it does not have."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        return f"--device {name!r} is not a device torch {torch.__version__} knows: {str(exc).splitlines()[0]}"
+    if dev.type == "cpu":
+        return None
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is None or acc.type != dev.type:
+        return (f"--device {name}: this torch build ({torch.__version__}) has no {dev.type} device (it has "
+                f"{'a ' + acc.type if acc is not None else 'no accelerator'})")
+    if dev.index is not None and dev.index >= torch.accelerator.device_count():
+        return f"--device {name}: there are {torch.accelerator.device_count()} {dev.type} device(s)"
+    return None
+
+
+def variant_names(spec: Optional[str], default: Sequence[str], known: Iterable[str],
+                  parser: argparse.ArgumentParser) -> List[str]:
+    """``none`` first, then the comma-separated names of ``spec`` (default ``default``), each once;
+    a name not in ``known`` is a usage error that lists the known ones."""
+    names = list(default) if spec is None else [n.strip() for n in spec.split(",") if n.strip()]
+    bad = [n for n in names if n not in known]
+    if bad:
+        parser.error(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(known)}")
+    return list(dict.fromkeys(["none"] + names))
+
+
+def script_parser(doc: str, *, seed: int = 1234, device: bool = True, threads: bool = True) -> argparse.ArgumentParser:
+    """A benchmark script's parser (its description: ``doc``'s first line) with the options every
+    script shares: ``--device`` (``auto``: the accelerator if any), ``--dtype``, ``--seed``,
+    ``--threads`` (default one intra-op thread on CPU: steadier medians on a shared machine) and
+    ``--json``."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    if device:
+        p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, npu, ... or 'auto' (default cpu)")
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=seed, help=f"seed of init, batches and dropout (default {seed})")
+    if threads:
+        p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default 1 on CPU)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    return p
+
+
+def script_setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Tuple[torch.device, torch.dtype]:
+    """The device (checked: a bad one is a usage error), the dtype, and the intra-op threads."""
+    name = getattr(args, "device", "cpu")
+    if name == "auto":
+        name = str(torch.accelerator.current_accelerator()) if torch.accelerator.is_available() else "cpu"
+    why = device_problem(name)
+    if why:
+        parser.error(why)
+    device = torch.device(name)
+    threads = getattr(args, "threads", None)
+    if threads is None and device.type == "cpu" and hasattr(args, "threads"):
+        threads = args.threads = 1
+    if threads:
+        torch.set_num_threads(threads)
+    return device, getattr(torch, getattr(args, "dtype", "float32"))
+
+
 # --------------------------------------------------------------------------- charts
 
 def have_matplotlib() -> Tuple[bool, str]:
@@ -153,9 +225,7 @@ def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return __import__("matplotlib.pyplot").pyplot
 
 
 def _save(fig: Any, path: str) -> None:

@@ -1,15 +1,12 @@
 """Profiler traces of a training step, and what they say about the copy engine.
 
-* :func:`write_trace` runs one step under ``torch.profiler`` and writes a Chrome trace (open it in
-  ``chrome://tracing`` or https://ui.perfetto.dev). The swap engine's offload/load launches and
-  waits show up there as named ranges: ``hyper_parallel.launch_offload[<group>]``,
-  ``hyper_parallel.wait_offload[<group>]``, ``hyper_parallel.launch_load[<group>]`` and
-  ``hyper_parallel.wait_load[<group>]``; on an accelerator the copies themselves appear as
-  ``Memcpy DtoH`` / ``Memcpy HtoD`` on the copy stream.
-* :func:`range_names` lists the ``hyper_parallel.*`` ranges of a trace (file, dict or profiler).
-* :func:`analyze_copies` reads the device-side events of a trace: bytes and busy time of
-  host<->device copies per direction (hence the achieved bandwidth) and the *overlap fraction*,
-  the share of copy time during which a compute kernel was running, i.e. hidden under compute.
+:func:`write_trace` runs one step under ``torch.profiler`` and writes a Chrome trace (open it in
+``chrome://tracing`` or https://ui.perfetto.dev); the swap engine's launches and waits are named
+ranges there (``hyper_parallel.launch_offload[<group>]``, ``wait_offload``, ``launch_load``,
+``wait_load``), the copies ``Memcpy DtoH`` / ``HtoD`` on the copy stream. :func:`range_names` lists
+a trace's ``hyper_parallel.*`` ranges; :func:`analyze_copies` reads its device events: bytes and
+busy time of host<->device copies per direction (the achieved bandwidth) and the share of copy time
+during which a compute kernel ran (hidden under compute).
 
 Example::
 
@@ -29,7 +26,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from hyper_parallel.bench.timing import synchronize
+from hyper_parallel.bench.harness import synchronize
 
 __all__ = ["RANGE_PREFIX", "profiler_activities", "write_trace", "range_names", "trace_events",
            "analyze_copies"]
@@ -43,10 +40,7 @@ _MEMCPY_CATS = ("gpu_memcpy",)
 
 
 def _accelerator() -> Optional[torch.device]:
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and acc.is_available():
-        return acc.current_accelerator()
-    return None
+    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
 
 
 def profiler_activities(device: Any = None) -> List[Any]:
@@ -68,21 +62,12 @@ def profiler_activities(device: Any = None) -> List[Any]:
 def write_trace(model_step_fn: Callable[[], Any], path: Union[str, os.PathLike], *,
                 warmup: int = 0, device: Any = None, activities: Optional[Sequence[Any]] = None,
                 record_shapes: bool = False) -> str:
-    """Run ``model_step_fn()`` once under ``torch.profiler`` and write a Chrome trace to ``path``.
-
-    Args:
-        model_step_fn: one training step (forward, backward, optionally the optimizer step).
-        path: the ``.json`` file to write (``.json.gz``: gzipped); its folder is created.
-        warmup: unprofiled calls of ``model_step_fn`` first (the first step of a swap mode
-            allocates its pooled host buffers; leave it out of the picture with ``warmup=1``).
-        device: the device the step runs on (default: the current accelerator, else CPU);
-            its activity is profiled too when the build supports it.
-        activities: override the profiler activities.
-        record_shapes: record input shapes of every op (bigger traces).
-
-    The step is wrapped in a ``hyper_parallel.step`` range and the device is synchronized before
-    the profiler stops, so the trace holds the whole step. Returns ``str(path)``.
-    """
+    """Run ``model_step_fn()`` (one training step) once under ``torch.profiler``, inside a
+    ``hyper_parallel.step`` range and synchronised, and write a Chrome trace to ``path`` (``.json``,
+    or gzipped ``.json.gz``; its folder is created); return ``str(path)``. ``warmup``: unprofiled
+    calls first (a swap mode's first step allocates its pooled host buffers). ``device``: profiled
+    too where the build supports it (default: the current accelerator, else CPU); ``activities``
+    overrides the profiler's; ``record_shapes`` records every op's input shapes."""
     dev = torch.device(device) if device is not None else _accelerator()
     for _ in range(int(warmup)):
         model_step_fn()
@@ -172,19 +157,13 @@ def analyze_copies(trace: Any, *, pinned_only: bool = True, min_bytes: int = 0) 
                       for e in events if e.get("cat") in _KERNEL_CATS])
     starts = [s for s, _ in kernels]
     copies: Dict[str, List[Dict[str, Any]]] = {"d2h": [], "h2d": []}
-    names_pinned = any("Pinned" in str(e.get("name", "")) for e in events if e.get("cat") in _MEMCPY_CATS)
-    for e in events:
-        if e.get("cat") not in _MEMCPY_CATS:
-            continue
-        direction = _direction(e)
-        if direction is None:
-            continue
-        if pinned_only and names_pinned and "Pinned" not in str(e.get("name", "")):
-            continue
+    memcpys = [e for e in events if e.get("cat") in _MEMCPY_CATS and _direction(e) is not None]
+    names_pinned = any("Pinned" in str(e.get("name", "")) for e in memcpys)
+    for e in memcpys:
         nbytes = (e.get("args") or {}).get("bytes")
-        if nbytes is not None and int(nbytes) < min_bytes:
-            continue
-        copies[direction].append(e)
+        if not (pinned_only and names_pinned and "Pinned" not in str(e.get("name", ""))) and \
+                (nbytes is None or int(nbytes) >= min_bytes):
+            copies[_direction(e)].append(e)
 
     def summary(evs: List[Dict[str, Any]]) -> Dict[str, Any]:
         spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]
@@ -194,14 +173,9 @@ def analyze_copies(trace: Any, *, pinned_only: bool = True, min_bytes: int = 0) 
         byte_counts = [(e.get("args") or {}).get("bytes") for e in evs]
         known = all(b is not None for b in byte_counts)
         nbytes = int(sum(int(b) for b in byte_counts if b is not None))
-        return {
-            "count": len(evs),
-            "bytes": nbytes if known else None,
-            "busy_s": busy_us * 1e-6,
-            "gbps": (nbytes / (busy_us * 1e-6) / 1e9) if known and busy_us > 0 else None,
-            "hidden_s": hidden_us * 1e-6,
-            "overlap_fraction": (hidden_us / busy_us) if busy_us > 0 else None,
-        }
+        return {"count": len(evs), "bytes": nbytes if known else None, "busy_s": busy_us * 1e-6,
+                "gbps": (nbytes / (busy_us * 1e-6) / 1e9) if known and busy_us > 0 else None,
+                "hidden_s": hidden_us * 1e-6, "overlap_fraction": (hidden_us / busy_us) if busy_us > 0 else None}
 
     out: Dict[str, Any] = {d: summary(evs) for d, evs in copies.items()}
     out["total"] = summary(copies["d2h"] + copies["h2d"])
