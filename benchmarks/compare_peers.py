@@ -1,37 +1,24 @@
 """hyper-parallel against its peers: peak memory, step time, bytes moved and loss equality.
 
-On the bench GPT and the same data, every variant in one process on the benchmark harness
-(``hyper_parallel.bench.harness``: interleaved rounds, medians):
-
-- baseline ``none``: no checkpointing;
-- peers: ``torch_ckpt`` (``torch.utils.checkpoint`` per layer), ``torch_sac`` (PyTorch selective
-  checkpoint saving the matmuls), ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu`` per layer,
-  ``pin_memory=True`` on accelerators), ``torchtune_offload`` and ``torchtune_offload_ckpt``
-  (torchtune's ``OffloadActivations``, alone and with per-layer checkpointing; CUDA only, needs the
-  ``peers`` extra: skipped with the reason printed otherwise);
-- ours: ``ours_recompute``, ``ours_save``, ``ours_swap_wrapper``, ``ours_ckpt_swap``
-  (``checkpoint_wrapper`` with MUST_SWAP matmuls + ``swap_inputs``) and ``ours_recompute_swapin``.
-
-Reported per variant: peak device memory of one training step, median forward+backward time,
-bytes moved per step (device->host, host->device) and whether every step's loss equals ``none``
-(bitwise on CPU). On an accelerator also the copy-engine figures: a raw pinned-copy bandwidth
-probe, each offloading variant's achieved copy bandwidth and the share of its copy time hidden
-under compute (from the profiler's device events), and the targets, met or not. The headline is
-each of our variants' ratios against the best peer.
-
-``--sweep layers`` / ``--sweep seq`` instead measure peak memory and step time per variant as the
-model deepens or the sequence grows (``--values``), and draw them.
+Every variant (recipes of ``hyper_parallel.bench.modes``, default ``PEER_VARIANTS``: the baseline ``none``; PyTorch's
+``torch_ckpt``, ``torch_sac``, ``save_on_cpu``; torchtune's ``OffloadActivations`` alone and with checkpoint, CUDA only,
+the ``peers`` extra, else skipped with the reason; ours ``ours_recompute``, ``ours_save``, ``ours_swap_wrapper``,
+``ours_ckpt_swap``, ``ours_recompute_swapin``) on the bench GPT and the same data, side by side on the benchmark
+harness. Per variant: the peak of one training step, the median forward + backward time, bytes moved per step and
+whether every loss equals ``none``'s (bitwise on CPU); the headline is each of ours against the best peer and its
+counterparts. On an accelerator also a pinned-copy bandwidth probe, each offloading variant's achieved bandwidth and
+overlap (from the profiler's device events) and the targets. ``--sweep layers`` / ``--sweep seq``: peak and time per
+variant as the model deepens or the sequence grows.
 
 Run::
 
     python benchmarks/compare_peers.py                                 # CPU defaults, ~1-2 min
     python benchmarks/compare_peers.py --sweep layers                  # 4 -> 32 layers
-    python benchmarks/compare_peers.py --sweep seq
     python benchmarks/compare_peers.py --device cuda --dtype bfloat16 --dim 2048 --heads 16 \\
         --layers 16 --seq 2048 --batch 2 --json out.json --png out.png  # see benchmarks/gpu_suite.sh
 
-Exit status: 0 when every variant that ran matched the baseline's losses; 1 when a variant
-failed; 2 when some variant's losses differ from ``none``.
+Exit status: 0 when every variant that ran matched the baseline's losses; 1 when a variant failed; 2 when some variant's
+losses differ from ``none``.
 """
 
 from __future__ import annotations
@@ -57,22 +44,18 @@ SWEEP_DEFAULT_VARIANTS = ["none", "torch_ckpt", "save_on_cpu", "torchtune_offloa
                           "ours_save", "ours_swap_wrapper", "ours_ckpt_swap", "ours_recompute_swapin"]
 SWEEP_DEFAULT_VALUES = {("layers", "cpu"): "4,8,16,32", ("layers", "acc"): "4,8,16,32",
                         ("seq", "cpu"): "64,128,256,512", ("seq", "acc"): "512,1024,2048,4096"}
-MEMORY_NOTE = {"cpu": "CPU: live CPU storages counted by MemoryMeter; host copies of every offloading variant (ours "
-                      "and save_on_cpu) are counted as host memory and reloads as new device tensors, so the column "
-                      "models what a device would hold. Step times on CPU include synchronous memcpy and say "
-                      "nothing about copy engines.",
-               "acc": "accelerator: allocator counters; peak allocated during one training step above what was "
-                      "allocated before it, plus the variant's own parameters and buffers."}
+MEMORY_NOTE = {"cpu": "CPU: live CPU storages (MemoryMeter), host copies of every offloading variant excluded and reloads "
+                      "new device tensors: what a device would hold. CPU step times include synchronous memcpys.",
+               "acc": "accelerator: the allocator's peak in one training step above what was allocated before it, "
+                      "plus the variant's own parameters and buffers."}
 
 
 def build_parser():
     p = report.script_parser(__doc__)
-    p.add_argument("--layers", type=int, default=None, help="default 8")
-    p.add_argument("--dim", type=int, default=None, help="default 128 (64 for sweeps)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=None, help="default 256 (128 for sweeps)")
-    p.add_argument("--batch", type=int, default=None, help="default 4 (2 for sweeps)")
-    p.add_argument("--vocab", type=int, default=512)
+    for name, default, what in (("layers", None, "default 8"), ("dim", None, "default 128 (64 for sweeps)"),
+                                ("heads", 4, "default 4"), ("seq", None, "default 256 (128 for sweeps)"),
+                                ("batch", None, "default 4 (2 for sweeps)"), ("vocab", 512, "default 512")):
+        p.add_argument(f"--{name}", type=int, default=default, help=what)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 9; 3 per sweep point)")
@@ -107,11 +90,9 @@ def _sizes(args, skip: str = "") -> str:
     return ", ".join(f"{k}={getattr(args, k)}" for k in ("layers", "dim", "heads", "seq", "batch") if k != skip)
 
 
-# --------------------------------------------------------------------------- analysis
-
 def headline(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    """Each of our variants against the best peer (lowest peak; fastest) and its like-for-like
-    counterparts; plus best-of-ours against best-of-peers."""
+    """Each of our variants against the best peer (lowest peak; fastest) and its like-for-like counterparts; plus
+    best-of-ours against best-of-peers."""
     ok = {n: r for n, r in results.items() if r["peak_bytes"] is not None and r["step_time_s"] is not None}
     peers = [n for n in ok if RECIPES[n].who == "peer"]
     ours = [n for n in ok if RECIPES[n].who == "ours"]
@@ -153,42 +134,37 @@ def targets(results: Dict[str, Dict[str, Any]], probe: Dict[str, Any]) -> List[D
     """The accelerator targets, each with ``ok`` (True / False / None = not applicable)."""
     out: List[Dict[str, Any]] = []
     ok = {n: r for n, r in results.items() if r["step_time_s"] is not None}
-
-    def t(n: str) -> float:
-        return ok[n]["step_time_s"]
-
-    probe_ok = "d2h_gbps" in probe
-    for n in ("ours_ckpt_swap", "ours_swap_wrapper", "ours_recompute_swapin"):
-        ce = (ok.get(n) or {}).get("copy_engine")
-        for d in ("d2h", "h2d") if probe_ok and ce else ():
-            frac = ratio(ce[d]["gbps"], probe[f"{d}_gbps"])
-            out.append({"target": f"{n} achieved {d.upper()} bandwidth >= 80% of probe",
-                        "value": frac, "ok": None if frac is None else frac >= 0.8,
-                        "detail": f"{fmt(ce[d]['gbps'])} / {probe[f'{d}_gbps']:.1f} GB/s"})
-    if "ours_ckpt_swap" in ok and "ours_save" in ok and probe_ok:
-        moved, t_save = ok["ours_ckpt_swap"]["bytes_moved_per_step"], t("ours_save")
-        need_d2h, need_h2d = moved["d2h"] / (probe["d2h_gbps"] * 1e9), moved["h2d"] / (probe["h2d_gbps"] * 1e9)
-        fits = need_d2h <= t_save / 3 and need_h2d <= 2 * t_save / 3
-        r = ratio(t("ours_ckpt_swap"), t_save)
-        out.append({"target": "ours_ckpt_swap step <= 1.05x ours_save (when transfers fit the compute window)",
-                    "value": r, "ok": (r <= 1.05) if fits else None,
-                    "detail": (f"transfers at probe speed: D2H {need_d2h * 1e3:.1f} ms vs forward ~{t_save / 3 * 1e3:.1f} "
-                               f"ms, H2D {need_h2d * 1e3:.1f} ms vs backward ~{2 * t_save / 3 * 1e3:.1f} ms: "
-                               + ("fit" if fits else "do not fit, target not applicable"))})
-    for n in ("ours_swap_wrapper", "ours_ckpt_swap"):
-        if n in ok and "save_on_cpu" in ok:
-            r = ratio(t(n), t("save_on_cpu"))
+    t = {n: r["step_time_s"] for n, r in ok.items()}
+    if "d2h_gbps" in probe:
+        for n in ("ours_ckpt_swap", "ours_swap_wrapper", "ours_recompute_swapin"):
+            for d in ("d2h", "h2d") if (ok.get(n) or {}).get("copy_engine") else ():
+                got = ok[n]["copy_engine"][d]["gbps"]
+                frac = ratio(got, probe[f"{d}_gbps"])
+                out.append({"target": f"{n} achieved {d.upper()} bandwidth >= 80% of probe", "value": frac,
+                            "ok": None if frac is None else frac >= 0.8,
+                            "detail": f"{fmt(got)} / {probe[f'{d}_gbps']:.1f} GB/s"})
+        if "ours_ckpt_swap" in ok and "ours_save" in ok:
+            moved, t_save = ok["ours_ckpt_swap"]["bytes_moved_per_step"], t["ours_save"]
+            need_d2h, need_h2d = moved["d2h"] / (probe["d2h_gbps"] * 1e9), moved["h2d"] / (probe["h2d_gbps"] * 1e9)
+            fits = need_d2h <= t_save / 3 and need_h2d <= 2 * t_save / 3
+            r = ratio(t["ours_ckpt_swap"], t_save)
+            out.append({"target": "ours_ckpt_swap step <= 1.05x ours_save (when transfers fit the compute window)",
+                        "value": r, "ok": (r <= 1.05) if fits else None,
+                        "detail": f"transfers at probe speed: D2H {need_d2h * 1e3:.1f} ms vs forward ~{t_save / 3 * 1e3:.1f} "
+                                  f"ms, H2D {need_h2d * 1e3:.1f} ms vs backward ~{2 * t_save / 3 * 1e3:.1f} ms: "
+                                  + ("fit" if fits else "do not fit, target not applicable")})
+    for n in ("ours_swap_wrapper", "ours_ckpt_swap") if "save_on_cpu" in ok else ():
+        if n in ok:
+            r = ratio(t[n], t["save_on_cpu"])
             out.append({"target": f"{n} never slower than save_on_cpu", "value": r, "ok": r <= 1.0})
     for n, peer in (("ours_swap_wrapper", "torchtune_offload"), ("ours_ckpt_swap", "torchtune_offload"),
                     ("ours_recompute_swapin", "torchtune_offload_ckpt")):
         if n in ok and peer in ok:
-            pr, tr = ratio(ok[n]["peak_bytes"], ok[peer]["peak_bytes"]), ratio(t(n), t(peer))
+            pr, tr = ratio(ok[n]["peak_bytes"], ok[peer]["peak_bytes"]), ratio(t[n], t[peer])
             out.append({"target": f"{n} less peak than {peer} at equal or better step time", "value": pr,
                         "ok": pr < 1.0 and tr <= 1.0, "detail": f"peak {pr:.2f}x, time {tr:.2f}x"})
     return out
 
-
-# --------------------------------------------------------------------------- printing
 
 def format_table(results: Dict[str, Dict[str, Any]], with_copy: bool) -> str:
     base = results.get("none") or {}
@@ -246,8 +222,6 @@ def _outputs(args, doc: Dict[str, Any], chart) -> None:
         print(f"chart written to {args.png}" if ok else why)
 
 
-# --------------------------------------------------------------------------- runs
-
 def run_compare(args, device: torch.device, dtype: torch.dtype, names: List[str]) -> int:
     rounds = 9 if args.rounds is None else args.rounds
     cfg, env, acc = _cfg(args), report.environment(device), device.type != "cpu"
@@ -275,10 +249,7 @@ def run_compare(args, device: torch.device, dtype: torch.dtype, names: List[str]
     print(format_table(results, with_copy=acc))
     print(report.legend([(n, RECIPES[n].what) for n in results]))
     print("loss comparison: " + (f"|diff| <= {atol:g}" if acc else "bitwise (cpu)"))
-    for n, reason in run.skipped.items():
-        print(f"skipped {n}: {reason}")
-    for n, err in run.errors.items():
-        print(f"FAILED {n}: {err}")
+    report.print_problems(run.skipped, run.errors)
     print(format_headline(head))
     if "d2h_gbps" in probe:
         print(f"copy probe (pinned, {probe['bytes'] / MiB:.0f} MiB x {probe['reps']}): "
@@ -361,10 +332,7 @@ def run_sweep(args, device: torch.device, dtype: torch.dtype, names: List[str]) 
                   if r["loss_equal_to_none"] is False})
     if bad:
         print("losses differ from none: " + ", ".join(bad))
-    for n, reason in skipped.items():
-        print(f"skipped {n}: {reason}")
-    for n, err in errors.items():
-        print(f"FAILED {n}: {err}")
+    report.print_problems(skipped, errors)
     print(f"growth = peak above params at {args.sweep}={values[-1]} / at {args.sweep}={values[0]} "
           f"({values[-1] / values[0]:.0f}x the {args.sweep})")
     if points:

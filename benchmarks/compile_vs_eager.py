@@ -1,15 +1,7 @@
-"""Step time and peak memory of each mode eager and under ``torch.compile``, on the bench GPT.
-
-For every recipe (``hyper_parallel.bench.modes``) two variants on the benchmark harness: the recipe
-eager and ``<recipe>+compile`` (``torch.compile(model)``, default inductor backend), side by side,
-compiled during the warm-up, then timed interleaved (one step of each per round); the table
-reports the median forward + backward time, the compiled / eager ratio, the peak memory of one
-metered step and whether the compiled copy's losses stay within the compiler's tolerance of the
-eager ones (relative 1e-4).
-
-On CPU the memory meter counts storages through a dispatch mode, which cannot see inside compiled
-kernels (and changes how dynamo runs the compiled copy), so compiled peaks are reported on
-accelerators only (the allocator counts everything there).
+"""Step time and peak memory of each recipe eager and under ``torch.compile`` (default inductor backend), on the bench
+GPT: ``<recipe>`` and ``<recipe>+compile`` side by side on the benchmark harness, compiled in the warm-up, timed
+interleaved; whether the compiled losses stay within relative 1e-4 of the eager ones. Compiled peaks are reported on
+accelerators only: the CPU meter's dispatch mode cannot see inside compiled kernels.
 
 Run::
 

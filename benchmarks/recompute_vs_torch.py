@@ -1,17 +1,7 @@
-"""Step time of hyper-parallel's recompute against PyTorch's own, on the same model.
-
-Four variants (recipes of ``hyper_parallel.bench.modes``), timed interleaved by the benchmark harness
-(one step of each per round, the order reversed every other round, many rounds) so that machine
-noise hits all of them alike; medians are reported with the ratio ours / PyTorch's:
-
-- ``torch_full`` (``torch_ckpt``): ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` around
-  each layer
-- ``ours_full`` (``ours_recompute``): ``checkpoint_wrapper(layer)``
-- ``torch_sac`` (``torch_sac``): PyTorch selective checkpoint (``create_selective_checkpoint_contexts``)
-  saving ``mm/addmm/bmm`` and recomputing the rest
-- ``ours_sac`` (``ours_save``): ``checkpoint_wrapper(layer, policy_fn=save_matmuls)``, the same policy
-
-The timed region is forward + backward; the weights stay fixed (SGD with lr 0).
+"""Step time of hyper-parallel's recompute against PyTorch's own, on the same model: ``RECOMPUTE_VS_TORCH``'s four
+variants (``torch_full`` = ``torch_ckpt``, ``ours_full`` = ``ours_recompute``, ``torch_sac`` = ``torch_sac``: PyTorch's
+selective checkpoint saving the matmuls, ``ours_sac`` = ``ours_save``: the same policy), weights fixed (lr 0), forward +
+backward timed interleaved over many rounds on the benchmark harness; medians and the ratios ours / PyTorch's.
 
 Run::
 

@@ -1,26 +1,14 @@
-"""Peak memory at every phase of one training step, swap against recompute and save_on_cpu.
-
-Two models: the bench GPT (``hyper_parallel.bench.model.GPT``, ``python -m hyper_parallel.bench``'s
-default shape) and a post-LN transformer with ``nn.MultiheadAttention`` and a ReLU feed-forward block
-(``hyper_parallel.bench.postln``, the original HyperParallel test shape scaled down for a CPU). The
-rows are ``MEMORY_VARIANTS``, recipes of ``hyper_parallel.bench.modes`` (the legend prints what each
-wraps): ``none``, ``ours_recompute``, ``ours_ckpt_swap`` (matmul outputs and the layer input
-swapped, the rest recomputed), ``ours_swap_wrapper`` and ``save_on_cpu`` (on CPU its host copies
-are made and marked as host memory and every reload is a new tensor, as for every offloading row).
-
-The benchmark harness (``hyper_parallel.bench.harness``) gives each row its own copy of the model (SGD, no optimizer state), ``--warmup``
-steps and then one metered step: the peak and the live bytes at the end of the forward, the
-backward and the optimizer step. Memory = parameters + buffers + what the step added (CPU: live
-CPU storages counted by ``MemoryMeter``, host copies excluded; accelerators: the allocator's
-counters). The lower bound is an estimate: parameters + buffers + gradients + the largest saved
-activations of one layer (measured on an unwrapped forward). Targets: at every phase
-the swap rows <= recompute; their step peak <= 1.15x save_on_cpu's.
+"""Peak memory at every phase of one training step, swap against recompute and save_on_cpu, on the bench GPT and a
+post-LN ``nn.MultiheadAttention`` transformer (``hyper_parallel.bench.postln``). The rows (``MEMORY_VARIANTS``) on the
+benchmark harness: ``--warmup`` steps, then one metered step: the peak and the live bytes at the end of the forward, the
+backward and the optimizer step (parameters + buffers + what the step added). The lower bound is an estimate:
+parameters + buffers + gradients + the largest saved activations of one layer (of an unwrapped forward). Targets: at
+every phase the swap rows <= recompute; their step peak <= 1.15x save_on_cpu's.
 
 Run::
 
     python benchmarks/swap_memory.py                        # both models, CPU defaults
     python benchmarks/swap_memory.py --models postln --postln-layers 16 --postln-dim 512
-    python benchmarks/swap_memory.py --device cuda --json out.json
 """
 
 from __future__ import annotations
@@ -78,8 +66,8 @@ def _model(name: str, args) -> Tuple[torch.nn.Module, GPTConfig, int]:
 
 
 def lower_bound(model: torch.nn.Module, batch: Tuple[torch.Tensor, ...]) -> Dict[str, Any]:
-    """Parameters + buffers + gradients + the largest saved activations of one layer (an estimate
-    of the least any schedule must hold)."""
+    """Parameters + buffers + gradients + the largest saved activations of one layer (an estimate of the least any
+    schedule must hold)."""
     per_layer = harness.saved_bytes_per_layer(copy.deepcopy(model), batch)
     bound = {"static_bytes": harness.module_bytes(model), "grad_bytes": harness.grad_bytes(model),
              "layer_saved_bytes": max(per_layer, default=0), "saved_bytes_per_layer": per_layer}

@@ -1,33 +1,18 @@
-"""Per-tensor overhead of swapping, on a model of many small ops.
+"""Per-tensor overhead of swapping, on a model of many small ops (``SmallOpsNet``: ``--blocks`` residual blocks
+``x + fc2(gelu(fc1(norm(x))))``, where a block's saved tensors are tiny and the cost per saved tensor dominates).
 
-The model (``hyper_parallel.bench.model.SmallOpsNet``): ``--blocks`` residual blocks
-``x + Linear(hidden, dim)(GELU(Linear(dim, hidden)(LayerNorm(x))))`` on ``(batch, dim)`` inputs,
-where a block's saved tensors are tiny and the cost per saved tensor dominates. The rows are
-``OVERHEAD_VARIANTS``, recipes of ``hyper_parallel.bench.modes`` (the legend prints what each
-wraps), run by the benchmark harness: each on its own copy, weights fixed (SGD, lr 0), forward +
-backward timed interleaved (one step of each per round, the order reversed every other round),
-medians. The peers that do what ours do on a CPU: ``copy_hooks`` (a ``saved_tensors_hooks`` pair
-copying every saved tensor out and back: ``save_on_cpu``'s work, peer of ``ours_swap_wrapper``)
-and ``torch_sac_copy`` (PyTorch's selective checkpoint whose cached matmul outputs, and the block
-input, are copied out and back: peer of ``ours_ckpt_swap``; PyTorch's early stop never takes back
-the last cached output of a block, hence fewer bytes back than out).
-
-Columns: ``fwd ms`` / ``bwd ms`` = the medians of the forward and of the backward part of the timed
-steps; KiB copied out / back per step (ours: ``SwapManager().stats()``; peers: their hooks'
-counters); ``tensors out`` = the tensors a peer's hooks copied out; ``loads`` = our host-to-device
-load launches per step (on a CPU build one per storage, or per bucket of small storages:
-``SwapManager().set_bucket_bytes``); ``us/block`` = (median - none's) / blocks; ``py calls`` /
-``C calls`` = the calls of Python / C functions the interpreter made in the forward + backward of
-one untimed step (``hyper_parallel.bench.harness.counting_calls``: the interpreter work, which a busy
-machine does not blur); whether the gradients equal ``none``'s bitwise. Pairs: each of our rows
-against its like-for-like peers (``Recipe.counterparts``): ratio of the medians and of the fastest
-steps, the overhead per block, the ratio of the calls per step. Targets:
-``ours_swap_wrapper <= 1.5x copy_hooks``, ``ours_ckpt_swap <= 1.25x torch_sac_copy``.
+The rows (``OVERHEAD_VARIANTS``) on the benchmark harness, weights fixed (lr 0), forward + backward timed interleaved,
+medians; the peers doing what ours do on a CPU: ``copy_hooks`` (every saved tensor copied out and back:
+``save_on_cpu``'s work; against ``ours_swap_wrapper``) and ``torch_sac_copy`` (PyTorch's selective checkpoint whose
+cached matmul outputs and block input are copied out and back; against ``ours_ckpt_swap``; PyTorch's early stop never
+takes back a block's last cached output, hence fewer bytes back than out). The columns are explained where printed;
+``py calls`` / ``C calls`` (``harness.counting_calls``) are the interpreter's work, which a busy machine does not blur.
+Pairs: each of ours against its ``Recipe.counterparts``. Targets: ``ours_swap_wrapper <= 1.5x copy_hooks``,
+``ours_ckpt_swap <= 1.25x torch_sac_copy``.
 
 Run::
 
     python benchmarks/swap_overhead.py                      # 48 blocks, dim 32, hidden 64, batch 8
-    python benchmarks/swap_overhead.py --rounds 60 --json out.json
     python benchmarks/swap_overhead.py --bucket-bytes 1048576        # small storages in buckets
 """
 

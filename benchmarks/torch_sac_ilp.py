@@ -1,27 +1,24 @@
-"""PyTorch's eager ``sac_ilp`` planner as a peer of ``benchmarks/planner.py``: its plan at a budget,
-applied the way PyTorch intends, as a recipe of the benchmark harness (needs the ``sac`` extra:
-``pip install -e '.[sac]'``, pulp and pwlf).
+"""PyTorch's eager ``sac_ilp`` planner as a peer of ``benchmarks/planner.py``: its plan at a budget, applied the way
+PyTorch intends, as a recipe of the benchmark harness (needs the ``sac`` extra: ``pip install -e '.[sac]'``, pulp and
+pwlf).
 
-PyTorch's pipeline (``torch.distributed._tools``): ``MemTracker``, ``RuntimeEstimator`` and
-``SACEstimator`` measure memory and time per module and per op; ``ilp_utils`` builds the module tree
-(each module's recompute-time vs discarded-memory trade-off fitted with ``pwlf``); ``sac_milp``
-chooses which modules to checkpoint and what fraction of their activation memory to discard under a
-budget, and a knapsack per module turns that fraction into a save/recompute decision per op.
-:func:`profile_sac_ilp` runs the estimators once on a fake copy of the model (as PyTorch's test
-does); ``profile.plan(budget)`` solves one budget; ``plan.apply(model)`` wraps the chosen modules
-with PyTorch's ``checkpoint_wrapper`` (whole, or selective with :class:`SacIlpPolicy`);
-:func:`sac_ilp_recipe` is a plan as a recipe. On a CPU, where neither estimate mode of PyTorch runs
-(CUDA events; a GPU's roofline), the benchmark mode runs on the CPU clock: each op for real on
-random inputs like its fake ones, 2 warm-up and 3 timed runs.
+PyTorch's pipeline (``torch.distributed._tools``): ``MemTracker``, ``RuntimeEstimator`` and ``SACEstimator`` measure
+memory and time per module and per op; ``ilp_utils`` builds the module tree (each module's recompute-time vs
+discarded-memory trade-off fitted with ``pwlf``); ``sac_milp`` chooses which modules to checkpoint and what fraction of
+their activation memory to discard under a budget, and a knapsack per module turns that fraction into a save/recompute
+decision per op. :func:`profile_sac_ilp` runs the estimators once on a fake copy of the model (as PyTorch's test does);
+``profile.plan(budget)`` solves one budget; ``plan.apply(model)`` wraps the chosen modules with PyTorch's
+``checkpoint_wrapper`` (whole, or selective with :class:`SacIlpPolicy`); :func:`sac_ilp_recipe` is a plan as a recipe.
+On a CPU, where neither estimate mode of PyTorch runs (CUDA events; a GPU's roofline), the benchmark mode runs on the
+CPU clock: each op for real on random inputs like its fake ones, 2 warm-up and 3 timed runs.
 
-The budget is the absolute peak of one step as the harness meters it. ``sac_milp``'s (in GiB)
-bounds its own estimate, which leaves out buffers and the batch: it is given ``budget - outside``
-(``outside = baseline - parameters``; ``baseline``, what the meter counts live at the step's start,
-by default parameters + buffers + batch) and its peak is reported as ``its peak + outside``.
-So that every plan trains bit-exact, a tensor an in-place op mutates later is recomputed rather than
-cached (:func:`_recompute_mutated`), the policy realigns where the real forward skips ops the fake
-one recorded (``plan.op_match``), and a Hugging Face model's KV cache is off (``config.use_cache``,
-as Hugging Face's own checkpointing does in training: a recompute cannot append to it twice).
+The budget is the absolute peak of one step as the harness meters it. ``sac_milp``'s (in GiB) bounds its own estimate,
+which leaves out buffers and the batch: it is given ``budget - outside`` (``outside = baseline - parameters``;
+``baseline``, what the meter counts live at the step's start, by default parameters + buffers + batch) and its peak is
+reported as ``its peak + outside``. So that every plan trains bit-exact, a tensor an in-place op mutates later is
+recomputed rather than cached (:func:`_recompute_mutated`), the policy realigns where the real forward skips ops the
+fake one recorded (``plan.op_match``), and a Hugging Face model's KV cache is off (``config.use_cache``, as Hugging
+Face's own checkpointing does in training: a recompute cannot append to it twice).
 
 Example::
 
@@ -102,8 +99,8 @@ def sac_ilp_available() -> Tuple[bool, str]:
 
 @contextlib.contextmanager
 def _quiet(into: Optional[List[str]] = None) -> Iterator[None]:
-    """Collect what sac_ilp's logger says into ``into`` (not stderr), and silence pulp 3.3's
-    deprecations of how PyTorch's sac_ilp builds and solves its models (not ours to fix)."""
+    """Collect what sac_ilp's logger says into ``into`` (not stderr), and silence pulp 3.3's deprecations of how
+    PyTorch's sac_ilp builds and solves its models (not ours to fix)."""
     logger = logging.getLogger("torch.distributed._tools.sac_ilp")
 
     class _Collect(logging.Handler):
@@ -124,13 +121,10 @@ def _quiet(into: Optional[List[str]] = None) -> Iterator[None]:
         logger.propagate = propagate
 
 
-def _cpu_estimate(fake_mode: Any, counts: Dict[str, int], warmup: int, iters: int,
-                  memo: Optional[Dict[Any, float]]) -> Callable[..., Tuple[Any, float]]:
-    """PyTorch's ``operator-level-benchmark`` estimate on the CPU clock: ``estimate(func, args,
-    kwargs) -> (fake outputs, mean ms)``, the op run for real on random inputs like its fake ones
-    (``rand_like`` for floating point, ``ones_like`` otherwise, as PyTorch makes them). View ops cost
-    0 ms, as in PyTorch; an op that fails on random data is counted ``untimed`` at 0 ms. With
-    ``memo``, an op on inputs of the same shapes, strides, dtypes and arguments is timed once."""
+def _cpu_estimate(fake_mode: Any, counts: Dict[str, int]) -> Callable[..., Tuple[Any, float]]:
+    """PyTorch's ``operator-level-benchmark`` estimate on the CPU clock: ``(fake outputs, mean ms)`` of the op run on
+    random inputs like its fake ones, as PyTorch makes them, 2 warm-up and 3 timed runs; view ops cost 0 ms, as in
+    PyTorch, and so does an op that fails on random data (counted ``untimed``)."""
     from torch.utils._mode_utils import no_dispatch
     from torch.utils._pytree import tree_flatten, tree_unflatten
     from torch.utils._runtime_estimation import _FLOAT_TYPES, _VIEW_OPS
@@ -141,46 +135,30 @@ def _cpu_estimate(fake_mode: Any, counts: Dict[str, int], warmup: int, iters: in
         return (torch.rand_like if x.dtype in _FLOAT_TYPES else torch.ones_like)(x, device=x.fake_device)
 
     def estimate(func: Any, args: Any, kwargs: Any) -> Tuple[Any, float]:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **(kwargs or {}))
         if func._overloadpacket in _VIEW_OPS or torch.Tag.inplace_view in func.tags:
             return out, 0.0
-        flat, spec = tree_flatten((args, kwargs))
-        key = None
-        if memo is not None:
-            key = (func,) + tuple((a.dtype, tuple(a.shape), tuple(a.stride()), str(a.device))
-                                  if isinstance(a, torch.Tensor) else a for a in flat)
-            try:
-                if key in memo:
-                    return out, memo[key]
-            except TypeError:  # an unhashable argument: time it
-                key = None
+        flat, spec = tree_flatten((args, kwargs or {}))
         try:
             with no_dispatch():
                 r_args, r_kwargs = tree_unflatten([real_like(a) for a in flat], spec)
-                for _ in range(1 + warmup):
+                for _ in range(3):
                     func(*r_args, **r_kwargs)
                 t0 = time.perf_counter()
-                for _ in range(iters):
+                for _ in range(3):
                     func(*r_args, **r_kwargs)
-                ms = (time.perf_counter() - t0) * 1e3 / iters
+                return out, (time.perf_counter() - t0) * 1e3 / 3
         except Exception:  # an op that cannot run on random data
             counts["untimed"] = counts.get("untimed", 0) + 1
             return out, 0.0
-        if key is not None:
-            memo[key] = ms
-        return out, ms
 
     return estimate
 
 
-# --------------------------------------------------------------------------- the policy
-
 @dataclass
 class ModuleDecision:
-    """One module of a plan: ``discard``, ``sac_milp``'s ratio of its activation memory to discard;
-    ``whole`` (a whole-module checkpoint) or ``save`` (1: saved, 0: recomputed) per op of
-    ``func_names`` (the ops of its forward as the SAC estimator saw them)."""
+    """One module of a plan: ``discard``, ``sac_milp``'s share of its activation memory to discard; ``whole``, or
+    ``save`` (1 saved, 0 recomputed) per op of its forward (``func_names``)."""
 
     name: str
     discard: float
@@ -188,7 +166,6 @@ class ModuleDecision:
     func_names: List[str] = field(default_factory=list)
     save: List[int] = field(default_factory=list)
     kept_fraction: float = 0.0       # bytes of the saved ops / of all its ops
-    forced_recompute: int = 0        # saved by the knapsack, recomputed because an in-place op mutates them later
     allow_cache_entry_mutation: bool = False
     random_save: Optional[int] = None  # the decision of its random ops (all alike), None when it has none
     recomputed_bytes: int = 0
@@ -203,9 +180,8 @@ class ModuleDecision:
 
 @dataclass
 class OpMatch:
-    """How the applied policies' op calls lined up with the recorded ops: ``matched`` (the next
-    one), ``realigned`` (a few further on: the ones between did not run, e.g. Hugging Face attention
-    builds a mask only under the fake mode), ``unmatched`` (not found: recomputed)."""
+    """How the applied policies' op calls lined up with the recorded ops: ``matched``, ``realigned`` (found a few
+    further on: Hugging Face attention builds a mask only under the fake mode) or ``unmatched`` (recomputed)."""
 
     matched: int = 0
     realigned: int = 0
@@ -213,12 +189,11 @@ class OpMatch:
 
 
 class SacIlpPolicy:
-    """A selective-checkpoint ``policy_fn`` replaying one module's per-op decisions: the n-th op of
-    its forward (``skip`` ops not counted, as in the SAC estimator) is ``PREFER_SAVE`` when
-    ``save[n]``, else ``MUST_RECOMPUTE``. An op that is not the n-th recorded one is looked for
-    among the next ``window`` and the count jumps there; else it is recomputed and the count stays.
-    A random op takes ``random_save`` wherever it is (all saved or all recomputed, or a recompute
-    would draw other numbers). One instance per checkpointed forward."""
+    """A selective-checkpoint ``policy_fn`` replaying one module's decisions: the n-th op of its forward (``skip`` ops
+    not counted, as by the SAC estimator) is ``PREFER_SAVE`` when ``save[n]``, else ``MUST_RECOMPUTE``; an op found
+    among the next ``window`` recorded ones moves the count there, one not found is recomputed; a random op takes
+    ``random_save`` (all saved or all recomputed, or a recompute would draw other numbers). One instance per
+    checkpointed forward."""
 
     def __init__(self, func_names: Sequence[str], save: Sequence[int], skip: Any,
                  match: Optional[OpMatch] = None, random_save: Optional[int] = None, window: int = 32) -> None:
@@ -249,13 +224,11 @@ class SacIlpPolicy:
 
 
 def _recompute_mutated(stats: Any, meta: Any, save: Sequence[int]) -> Tuple[List[int], int, bool]:
-    """Per-op decisions that ``create_selective_checkpoint_contexts`` can apply: sac_ilp ties an
-    in-place op to the op that made its tensor and may save both, and PyTorch's selective
-    checkpoint then stops on the mutated cache entry (dropout's ``empty_like().bernoulli_()``). Such
-    a group is recomputed (bit-exact: the same ops in the same order), with every random op of the
-    module when it holds one. Only where the module must store its random ops
-    (``force_store_random``) are the decisions kept and cached mutation allowed. Returns the
-    decisions, how many were turned to recompute, and whether to allow cached mutation."""
+    """Decisions ``create_selective_checkpoint_contexts`` can apply: sac_ilp may save an op and the in-place op mutating
+    its output, and PyTorch's cache then refuses the mutated entry (dropout's ``empty_like().bernoulli_()``); such a
+    group is recomputed (bit-exact), with every random op of the module when it holds one, unless the module must store
+    its random ops (then mutation is allowed). Returns the decisions, how many became recomputed, and whether to allow
+    mutation."""
     save = list(save)
     parent_of, rand = dict(stats.inplace_ops), set(stats.rand_ops)
     groups = [set(g) for h, g in meta.inplace_op_groups.items() if h not in parent_of and len(g) > 1]
@@ -277,9 +250,9 @@ def _recompute_mutated(stats: Any, meta: Any, save: Sequence[int]) -> Tuple[List
 
 
 def _greedy_policy(stats: Any, meta: Any, keep_fraction: float) -> List[int]:
-    """Recompute in the SAC estimator's greedy order (the ops it always recomputes, then its
-    candidates by memory per recompute time, each with its in-place and random groups) until at
-    most ``keep_fraction`` of the module's op memory is kept; the ops it always stores stay."""
+    """Recompute in the SAC estimator's greedy order (what it always recomputes, then by memory per recompute time, with
+    in-place and random groups) until at most ``keep_fraction`` of the op memory is kept; what it always stores stays.
+    """
     def group(i: int) -> set:
         return {i} | set(meta.inplace_op_groups.get(i, ())) | set(meta.random_ops_group.get(i, ()))
 
@@ -296,12 +269,10 @@ def _greedy_policy(stats: Any, meta: Any, keep_fraction: float) -> List[int]:
     return [0 if i in recompute else 1 for i in range(len(stats.memory))]
 
 
-# --------------------------------------------------------------------------- profile and plan
-
 @dataclass
 class SacIlpProfile:
-    """PyTorch's estimators' view of one model and batch: the module tree ``sac_milp`` solves on and
-    the SAC statistics per module (names relative to the model)."""
+    """The estimators' view of one model and batch: ``sac_milp``'s module tree and the SAC statistics per module (names
+    relative to the model)."""
 
     graph: Any
     root: str
@@ -316,7 +287,7 @@ class SacIlpProfile:
     timings_s: Dict[str, float]
     skip: Any = field(default=None, repr=False)
     notes: List[str] = field(default_factory=list)
-    _min_cache: Dict[float, int] = field(default_factory=dict, repr=False)
+    _min_bytes: Optional[int] = field(default=None, repr=False)
 
     def outside_bytes(self, baseline_bytes: Optional[int] = None) -> int:
         """What is live at the start of the step but outside sac_ilp's estimate (see the module doc)."""
@@ -333,26 +304,23 @@ class SacIlpProfile:
             return _tools()["sac_ilp"].sac_milp(self.graph, memory_budget=sac_budget_bytes / _GiB, world_size=1,
                                                 ac_units=[f"{self.root}.{u}" for u in self.units])
 
-    def min_budget_bytes(self, baseline_bytes: Optional[int] = None, resolution_bytes: Optional[int] = None) -> int:
-        """sac_ilp's own minimum, absolute: the smallest budget at which ``sac_milp`` finds a plan, by
-        bisection over ``sac_milp`` (to ``resolution_bytes``, default 0.1% of its no-checkpoint peak,
-        at least 4 KiB); cached."""
-        hi = float(self.sac_no_ac_peak_bytes)
-        step = float(resolution_bytes or max(4096.0, hi * 1e-3))
-        if step not in self._min_cache:
-            lo = float(self.param_bytes)  # below the parameters nothing fits
+    def min_budget_bytes(self, baseline_bytes: Optional[int] = None) -> int:
+        """sac_ilp's own minimum, absolute, by bisection over ``sac_milp`` to 0.1% of its no-checkpoint peak (at least 4
+        KiB); cached."""
+        if self._min_bytes is None:
+            lo, hi = float(self.param_bytes), float(self.sac_no_ac_peak_bytes)  # (below the parameters nothing fits)
             hi = lo if self._milp(lo)[2] != -1 else hi
-            while hi - lo > step:
+            while hi - lo > max(4096.0, self.sac_no_ac_peak_bytes * 1e-3):
                 mid = (lo + hi) / 2
                 lo, hi = (mid, hi) if self._milp(mid)[2] == -1 else (lo, mid)
-            self._min_cache[step] = int(math.ceil(hi))
-        return self._min_cache[step] + self.outside_bytes(baseline_bytes)
+            self._min_bytes = int(math.ceil(hi))
+        return self._min_bytes + self.outside_bytes(baseline_bytes)
 
     def plan(self, budget: Union[int, str], *, baseline_bytes: Optional[int] = None,
              per_module: str = "optimal") -> "SacIlpPlan":
-        """``sac_milp`` at ``budget`` (bytes, or e.g. ``"150MiB"``) and each chosen module's decisions
-        (``per_module``: ``optimal``, PyTorch's knapsack per module, or ``greedy``, the SAC estimator's
-        recompute order). :class:`SacIlpInfeasible` when it finds none."""
+        """``sac_milp`` at ``budget`` (bytes, or e.g. ``"150MiB"``) and each chosen module's decisions (``per_module``:
+        ``optimal``, PyTorch's knapsack per module, or ``greedy``, the SAC estimator's recompute order).
+        :class:`SacIlpInfeasible` when it finds none."""
         if per_module not in ("optimal", "greedy"):
             raise ValueError(f"per_module must be 'optimal' or 'greedy', got {per_module!r}")
         budget_bytes, outside = parse_budget(budget), self.outside_bytes(baseline_bytes)
@@ -390,8 +358,8 @@ class SacIlpProfile:
                        "an in-place op mutates later, which PyTorch's selective checkpoint cannot keep cached")
         kept = sum(m for m, s in zip(stats.memory, save) if s)
         rand = {save[i] for i in stats.rand_ops}
-        return ModuleDecision(name, ratio, False, list(stats.func_names), save, kept / total if total else 0.0, forced,
-                              mutable, rand.pop() if len(rand) == 1 else None, total - kept)
+        return ModuleDecision(name, ratio, False, list(stats.func_names), save, kept / total if total else 0.0, mutable,
+                              rand.pop() if len(rand) == 1 else None, total - kept)
 
 
 @dataclass
@@ -422,8 +390,8 @@ class SacIlpPlan:
         return sum(m.recomputed_bytes for m in self.modules)
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Wrap, in place, every chosen module of ``model`` (a fresh copy of the profiled model) with
-        PyTorch's non-reentrant ``checkpoint_wrapper``: whole, or with a :class:`SacIlpPolicy`."""
+        """Wrap, in place, every chosen module of ``model`` (a fresh copy of the profiled model) with PyTorch's
+        non-reentrant ``checkpoint_wrapper``: whole, or with a :class:`SacIlpPolicy`."""
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl, CheckpointWrapper,
                                                                                  checkpoint_wrapper)
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
@@ -453,31 +421,24 @@ class SacIlpPlan:
 
     def report(self) -> str:
         """What it decided, in a few lines."""
-        p = self.profile
+        p, m = self.profile, self.op_match
         lines = [f"PyTorch sac_ilp plan: budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B) = "
-                 f"{self.sac_budget_gib:.6f} GiB for sac_milp + {format_bytes(self.outside_bytes)} outside its estimate",
-                 f"  predicted peak {format_bytes(self.predicted_peak_bytes)} (its bound "
-                 f"{format_bytes(self.sac_peak_bytes)} + outside); no-checkpoint peak by its estimate "
-                 f"{format_bytes(p.no_checkpoint_peak_bytes())}",
-                 f"  recompute {self.recompute_ms:.2f} ms on a step of {p.compute_ms:.2f} ms by its estimate "
-                 f"({p.estimate_mode})"]
-        lines += [f"  {m.name}: {m.describe()}" for m in self.modules] or ["  no module checkpointed"]
-        m = self.op_match
-        if m.matched or m.realigned or m.unmatched:
-            lines.append(f"  applied: {m.matched} op calls matched the recorded ops, {m.realigned} realigned, "
-                         f"{m.unmatched} unmatched (recomputed)")
-        lines.append("  planning: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings_s.items()))
+                 f"{self.sac_budget_gib:.6f} GiB for sac_milp + {format_bytes(self.outside_bytes)} outside its "
+                 f"estimate; predicted peak {format_bytes(self.predicted_peak_bytes)} (no checkpoint: "
+                 f"{format_bytes(p.no_checkpoint_peak_bytes())}); recompute {self.recompute_ms:.2f} ms on a step of "
+                 f"{p.compute_ms:.2f} ms by its estimate ({p.estimate_mode})"]
+        lines += [f"  {d.name}: {d.describe()}" for d in self.modules] or ["  no module checkpointed"]
+        lines.append(f"  applied: {m.matched} op calls matched the recorded ops, {m.realigned} realigned, "
+                     f"{m.unmatched} unmatched (recomputed); planning: "
+                     + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings_s.items()))
         return "\n".join(lines + [f"  note: {n}" for n in p.notes + self.notes])
 
 
-def profile_sac_ilp(model: nn.Module, batch: Any, *, estimate_mode: str = "operator-level-benchmark",
-                    benchmark_runs: Tuple[int, int] = (2, 3), memoize_op_times: bool = False) -> SacIlpProfile:
-    """Run PyTorch's estimators on one step ``forward_loss(model, batch).backward()`` (``batch``: a
-    tuple of arguments, a dict of keyword arguments, or a callable returning one) on a fake copy of
-    ``model`` (the model, its gradients and the RNG are left as they were) and return the profile;
-    ``sac_milp`` may checkpoint every module with sub-modules below the root. On a CPU:
-    ``benchmark_runs``, every op's warm-up and timed runs; ``memoize_op_times``, time an op once per
-    input shapes and arguments. :class:`SacIlpUnavailable` with the reason where it cannot run."""
+def profile_sac_ilp(model: nn.Module, batch: Any, *, estimate_mode: str = "operator-level-benchmark") -> SacIlpProfile:
+    """Run PyTorch's estimators on one step ``forward_loss(model, batch).backward()`` (``batch``: a tuple of arguments, a
+    dict of keyword arguments, or a callable returning one) on a fake copy of ``model`` (the model, its gradients and the
+    RNG are left as they were) and return the profile; ``sac_milp`` may checkpoint every module with sub-modules below
+    the root. :class:`SacIlpUnavailable` with the reason where it cannot run."""
     tools = _tools()
     if estimate_mode not in ("operator-level-benchmark", "operator-level-cost-model"):
         raise ValueError(f"estimate_mode must be PyTorch's 'operator-level-benchmark' or "
@@ -513,8 +474,7 @@ def profile_sac_ilp(model: nn.Module, batch: Any, *, estimate_mode: str = "opera
                 runtime = tools["RuntimeEstimator"]()(estimate_mode_type=estimate_mode)
                 sac = tools["SACEstimator"]()(estimate_mode_type=estimate_mode)
                 if cpu:
-                    runtime._estimate = sac._estimate_runtime = _cpu_estimate(
-                        fake_mode, counts, *benchmark_runs, {} if memoize_op_times else None)
+                    runtime._estimate = sac._estimate_runtime = _cpu_estimate(fake_mode, counts)
                 for name, estimator in (("mem_tracker", mem_tracker), ("runtime_estimator", runtime),
                                         ("sac_estimator", sac)):
                     t = time.perf_counter()
@@ -568,10 +528,10 @@ def profile_sac_ilp(model: nn.Module, batch: Any, *, estimate_mode: str = "opera
 def sac_ilp_recipe(budget: Union[int, str], batch: Any, *, profile: Optional[SacIlpProfile] = None,
                    name: str = "torch_sac_ilp", baseline_bytes: Optional[int] = None, per_module: str = "optimal",
                    **profile_kwargs: Any) -> Recipe:
-    """A recipe (``who="peer"``) for PyTorch's sac_ilp at ``budget``: its ``apply`` profiles the first
-    model it is given (or uses ``profile``), plans once, and wraps every model it is given with that
-    plan; it raises :class:`SacIlpUnavailable` (a ``RuntimeError``: the recipes' "cannot run here")
-    with the reason. ``recipe.apply.plan()`` gives the plan once made."""
+    """A recipe (``who="peer"``) for PyTorch's sac_ilp at ``budget``: its ``apply`` profiles the first model it is given
+    (or uses ``profile``), plans once, and wraps every model it is given with that plan; it raises
+    :class:`SacIlpUnavailable` (a ``RuntimeError``: the recipes' "cannot run here") with the reason.
+    ``recipe.apply.plan()`` gives the plan once made."""
     budget_bytes = parse_budget(budget)
     state: Dict[str, Any] = {"profile": profile, "plan": None}
 

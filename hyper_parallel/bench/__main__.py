@@ -1,10 +1,10 @@
 """Mode comparison bench: ``python -m hyper_parallel.bench``.
 
 Trains the bench GPT (``hyper_parallel.bench.model``) for a few steps of the benchmark harness
-(``hyper_parallel.bench.harness``) under each activation-memory mode (``hyper_parallel.bench.modes``),
-every mode in its own subprocess so that its peak memory is measured from a clean process, and
-prints one table: peak device memory, bytes offloaded, step time, and whether every step's loss
-equals the ``none`` baseline (bitwise on CPU, within 1e-5 elsewhere).
+(``hyper_parallel.bench.harness``) under each activation-memory mode (``hyper_parallel.bench.modes``), every mode in its
+own subprocess so that its peak memory is measured from a clean process, and prints one table: peak device memory, bytes
+offloaded, step time, and whether every step's loss equals the ``none`` baseline (bitwise on CPU, within 1e-5
+elsewhere).
 
 Examples::
 
@@ -13,11 +13,10 @@ Examples::
     python -m hyper_parallel.bench --budget 40MiB        # and a memory plan beside them
     python -m hyper_parallel.bench --modes none,swap --device cuda --json out.json --plot out.png
 
-Every option is checked before any mode runs (the device, ``--plot``'s matplotlib, the sizes, the
-output folders): a bad one exits 2 at once, with the reason. Exit status: 0 when every mode ran and
-matched the baseline, 1 when a worker failed, 2 when a mode's losses differ from the baseline, 3
-(only with ``--strict``) when an expected peak-memory ordering (none > save > recompute,
-swap ~ recompute) does not hold.
+Every option is checked before any mode runs (the device, ``--plot``'s matplotlib, the sizes, the output folders): a bad
+one exits 2 at once, with the reason. Exit status: 0 when every mode ran and matched the baseline, 1 when a worker
+failed, 2 when a mode's losses differ from the baseline, 3 (only with ``--strict``) when an expected peak-memory
+ordering (none > save > recompute, swap ~ recompute) does not hold.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -35,23 +33,17 @@ from hyper_parallel.bench import report
 from hyper_parallel.bench.modes import MODE_RECIPES, MODES, RECIPES, SWAP_WRAPPER_MODES, SWAP_WRAPPER_RECIPES
 from hyper_parallel.bench.report import MiB
 
-_PROGRESS_TAG = "@@hyper_parallel.bench.progress"
 _RESULT_TAG = "@@hyper_parallel.bench.result "
-_DTYPES = ("float32", "bfloat16", "float16")
 LOSS_ATOL = 1e-5  # off CPU; on CPU losses must be bitwise equal
 PLAN_PREFIX = "plan@"
 PLAN_RANGE = "plan-range"
 
 
-# --------------------------------------------------------------------------- CLI
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hyper_parallel.bench",
-                                description="Compare activation recompute / swap modes: peak memory, step time, "
-                                            "loss equality.")
-    p.add_argument("--modes", default=None,
-                   help="comma-separated modes, default all (%s; with --swap-wrapper: %s). "
-                        "'none' always runs first as the baseline." % (",".join(MODES), ",".join(SWAP_WRAPPER_MODES)))
+    p = argparse.ArgumentParser(prog="python -m hyper_parallel.bench", description="Compare activation recompute / "
+                                "swap modes: peak memory, step time, loss equality.")
+    p.add_argument("--modes", default=None, help="comma-separated modes, default all (%s; with --swap-wrapper: %s); "
+                   "'none' always runs first" % (",".join(MODES), ",".join(SWAP_WRAPPER_MODES)))
     p.add_argument("--swap-wrapper", action="store_true",
                    help="compare the swap_wrapper modes (%s) instead" % ",".join(SWAP_WRAPPER_MODES))
     for name, default, what in (("layers", 8, "transformer layers"), ("dim", 128, "model width"),
@@ -61,29 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, default=default, help=f"{what} (default {default})")
     p.add_argument("--dropout", type=float, default=0.1, help="dropout probability (default 0.1)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
-    p.add_argument("--seed", type=int, default=1234, help="seed for init, batches and dropout (default 1234)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1, npu (default cpu)")
-    p.add_argument("--dtype", choices=_DTYPES, default="float32", help="parameter/activation dtype (default float32)")
-    p.add_argument("--swap-threshold-bytes", type=int, default=None,
-                   help="size from which swap_with_policy swaps a tensor (default: the size of one "
-                        "batch x heads x seq x seq attention matrix in --dtype)")
-    p.add_argument("--budget", default=None,
-                   help="also plan the model for this memory budget (plan_memory: bytes, or e.g. 40MiB, 1.5GB) and "
-                        "train the plan beside the modes (row plan@BUDGET, with its prediction and report)")
-    p.add_argument("--budget-sweep", type=int, default=None, metavar="N",
-                   help="plan N budgets from the smallest reachable peak to the peak with nothing wrapped, train each "
-                        "plan beside the modes, and write the measured step time against the measured peak as a PNG "
-                        "(--plot, default budget_sweep.png) and a JSON (--json, default budget_sweep.json)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of init, batches and dropout (default 1234)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, npu... (default cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--swap-threshold-bytes", type=int, default=None, help="size from which swap_with_policy swaps "
+                   "a tensor (default: one batch x heads x seq x seq attention matrix in --dtype)")
+    p.add_argument("--budget", default=None, help="also plan the model for this budget (bytes, or e.g. 40MiB) and "
+                   "train the plan beside the modes (row plan@BUDGET, with its prediction and report)")
+    p.add_argument("--budget-sweep", type=int, default=None, metavar="N", help="plan N budgets from the smallest "
+                   "reachable peak to the unwrapped peak, train each plan, and draw step time against peak "
+                   "(--plot, default budget_sweep.png; --json, default budget_sweep.json)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON to PATH")
     p.add_argument("--plot", metavar="PATH", default=None, help="save a bar chart to PATH (needs matplotlib)")
-    p.add_argument("--trace", metavar="DIR", default=None,
-                   help="also write a Chrome trace (torch.profiler) of one extra training step per mode "
-                        "to DIR/<mode>.json")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads for each worker (default: torch's own choice)")
+    p.add_argument("--trace", metavar="DIR", default=None, help="also write a Chrome trace of one more step per mode "
+                   "to DIR/<mode>.json")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each worker")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per mode (default 1800)")
     p.add_argument("--strict", action="store_true", help="exit 3 when an expected memory ordering does not hold")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     p.add_argument("--worker", metavar="MODE", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -94,15 +81,11 @@ def _config(args) -> Dict[str, Any]:
             "swap_threshold_bytes": swap_threshold(args), "optimizer": "SGD"}
 
 
-def attention_matrix_bytes(batch: int, heads: int, seq: int, dtype: str) -> int:
-    """Bytes of one ``(batch, heads, seq, seq)`` attention score matrix."""
-    return batch * heads * seq * seq * {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-
-
 def swap_threshold(args) -> int:
+    """``--swap-threshold-bytes``, default the bytes of one ``(batch, heads, seq, seq)`` attention matrix."""
     if args.swap_threshold_bytes is not None:
         return int(args.swap_threshold_bytes)
-    return attention_matrix_bytes(args.batch, args.heads, args.seq, args.dtype)
+    return args.batch * args.heads * args.seq * args.seq * (4 if args.dtype == "float32" else 2)
 
 
 def _mode_list(args, parser) -> List[str]:
@@ -114,11 +97,9 @@ def _mode_list(args, parser) -> List[str]:
     return list(dict.fromkeys(["none"] + modes))  # the baseline first, each mode once
 
 
-# ------------------------------------------------------------------------ worker
-
 def run_worker(args) -> int:
-    """Train one mode (or a memory plan: ``plan@BYTES``; ``plan-range`` only reports the budgets
-    worth planning) in this process and print one JSON line on stdout."""
+    """Train one mode (or a memory plan: ``plan@BYTES``; ``plan-range`` only reports the budgets worth planning) in this
+    process and print one JSON line on stdout."""
     import copy
     import gc
 
@@ -132,9 +113,6 @@ def run_worker(args) -> int:
 
     mode = args.worker
     planned = mode == PLAN_RANGE or mode.startswith(PLAN_PREFIX)
-    if not planned and mode not in (SWAP_WRAPPER_MODES if args.swap_wrapper else MODES):
-        print(f"unknown mode {mode!r}", file=sys.stderr)
-        return 2
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -153,7 +131,7 @@ def run_worker(args) -> int:
         result.update(min_budget_bytes=plan.min_budget_bytes, reference_peak_bytes=plan.reference_peak_bytes,
                       planning_s=time.perf_counter() - t0)
         if mode == PLAN_RANGE:
-            sys.stdout.write(_RESULT_TAG + json.dumps(result) + "\n")
+            print(_RESULT_TAG + json.dumps(result), flush=True)
             return 0
         result.update(budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
                       predicted_step_s=plan.predicted_step_s, lower_bound_step_s=plan.lower_bound_step_s,
@@ -172,10 +150,8 @@ def run_worker(args) -> int:
         return meters[-1]
 
     times: List[float] = []
-    losses = train_steps(model, args.steps, args.batch, args.lr, args.seed, device, meter=make_meter, times=times,
-                         on_step=lambda s, loss: print(f"{_PROGRESS_TAG} {s + 1} {args.steps}", file=sys.stderr,
-                                                       flush=True))
-    stats = report.plain(SwapManager().stats())
+    losses = train_steps(model, args.steps, args.batch, args.lr, args.seed, device, meter=make_meter, times=times)
+    stats = SwapManager().stats()
     if args.trace:  # one extra step, after the measured ones: results and stats above are unaffected
         from hyper_parallel.bench.trace import write_trace
 
@@ -184,88 +160,32 @@ def run_worker(args) -> int:
     result.update(peak_bytes=int(meters[0].peak_bytes), offloaded_bytes=int(stats["offloaded_bytes"]),
                   step_time_s=median(times) or 0.0, step_times_s=times, losses=losses, stats=stats,
                   process_cpu_s=time.process_time())
-    sys.stdout.write(_RESULT_TAG + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    print(_RESULT_TAG + json.dumps(result, default=report.json_value), flush=True)
     return 0
 
 
-# ------------------------------------------------------------------ orchestrator
-
-class _Progress:
-    """A dependency-free progress bar on stderr (one line per mode when not a tty)."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = max(1, total), enabled
-        self.tty = enabled and sys.stderr.isatty()
-        self.done, self.start, self._last = 0, time.perf_counter(), 0
-
-    def _write(self, text: str) -> None:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-
-    def show(self, label: str) -> None:
-        if self.tty:
-            frac = min(1.0, self.done / self.total)
-            line = "[%-28s] %3d%% %-28s %6.1fs" % ("#" * int(round(frac * 28)), int(frac * 100), label[:28],
-                                                   time.perf_counter() - self.start)
-            self._write("\r" + line.ljust(self._last))
-            self._last = len(line)
-
-    def log(self, message: str) -> None:
-        if self.enabled:
-            self._write(("\r" + " " * self._last + "\r" if self.tty else "") + message + "\n")
-            self._last = 0
-
-    def close(self) -> None:
-        if self.tty and self._last:
-            self._write("\r" + " " * self._last + "\r")
-
-
-def run_mode(args, mode: str, progress: _Progress, base_done: int) -> Dict[str, Any]:
-    """Run this command line again for one mode in a worker subprocess (its options were checked);
-    return its result dict or an error dict."""
+def run_mode(args, mode: str) -> Dict[str, Any]:
+    """Run this command line again for one mode in a worker subprocess (its options were checked); return its result
+    dict or an error dict."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                   if p and p != root])  # (the package, installed or not)
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "hyper_parallel.bench", *args.argv, "--worker", mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
-    out: List[str] = []
-    reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
-    reader.start()
-    timer = threading.Timer(args.timeout, proc.kill)
-    timer.start()
-    err_lines: List[str] = []
     try:
-        progress.show(f"{mode}: starting")
-        for line in proc.stderr:
-            if not line.startswith(_PROGRESS_TAG):
-                err_lines.append(line)
-                continue
-            parts = line.split()
-            step = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
-            progress.done = base_done + step
-            progress.show(f"{mode}: step {step}/{args.steps}")
-        rc = proc.wait()
-    finally:
-        timer.cancel()
-        reader.join()
-    elapsed, stdout, stderr = time.perf_counter() - t0, "".join(out), "".join(err_lines)
+        proc = subprocess.run([sys.executable, "-m", "hyper_parallel.bench", *args.argv, "--worker", mode], env=env,
+                              capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=args.timeout)
+        rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, stdout, stderr = None, exc.stdout or "", exc.stderr or ""
+        stdout, stderr = (x.decode() if isinstance(x, bytes) else x for x in (stdout, stderr))
     lines = [ln for ln in stdout.splitlines() if ln.startswith(_RESULT_TAG)]
-    try:
-        result = json.loads(lines[-1][len(_RESULT_TAG):]) if lines else None
-    except json.JSONDecodeError:
-        result = None
-    if rc != 0 or result is None:
-        reason = f"exit status {rc}" if rc != 0 else "no result line"
-        if rc in (-9, 137) and elapsed >= args.timeout:
-            reason = f"timed out after {args.timeout:.0f}s"
-        return {"mode": mode, "error": reason, "returncode": rc, "stderr": stderr, "stdout": stdout, "wall_s": elapsed}
-    result["wall_s"] = elapsed
-    if stderr.strip():
-        result["stderr"] = stderr
-    return result
+    result = json.loads(lines[-1][len(_RESULT_TAG):]) if rc == 0 and lines else None
+    wall = time.perf_counter() - t0
+    if result is None:
+        reason = f"timed out after {args.timeout:.0f}s" if rc is None else f"exit status {rc}" if rc else "no result line"
+        return {"mode": mode, "error": reason, "returncode": rc, "stderr": stderr, "stdout": stdout, "wall_s": wall}
+    return {**result, "wall_s": wall, **({"stderr": stderr} if stderr.strip() else {})}
 
 
 def losses_match(losses: Sequence[float], baseline: Sequence[float], exact: bool) -> bool:
@@ -297,8 +217,7 @@ def _label(mode: str) -> str:
 
 
 def format_swap_stats(results: List[Dict[str, Any]], exact: bool) -> List[str]:
-    """One line of ``SwapManager().stats()`` per mode that swapped anything (whole run), and what
-    the figures mean."""
+    """One line of ``SwapManager().stats()`` per mode that swapped anything (whole run), and what the figures mean."""
     swapped = [r for r in results if "error" not in r and (r["stats"].get("offloaded_bytes")
                                                            or r["stats"].get("kept_bytes"))]
     lines = [f"swap stats {_label(r['mode'])}: {report.swap_stats_line(r['stats'])}" for r in swapped]
@@ -355,8 +274,8 @@ def mode_legend(results: List[Dict[str, Any]], swap_wrapper: bool) -> str:
 
 
 def reading(results: List[Dict[str, Any]], exact: bool) -> str:
-    """The table in one line: the mode with the lowest peak (off CPU: at what time cost) and
-    whether the losses match."""
+    """The table in one line: the mode with the lowest peak (off CPU: at what time cost) and whether the losses match.
+    """
     ok = [r for r in results if "error" not in r]
     base = next((r for r in ok if r["mode"] == "none"), None)
     if base is None:
@@ -387,13 +306,13 @@ def _chart_rows(results: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
 
 
 def _plan_modes(args) -> List[str]:
-    """The ``plan@BYTES`` rows asked for: ``--budget``, and ``--budget-sweep N`` (from a first
-    worker's range of budgets worth planning)."""
+    """The ``plan@BYTES`` rows asked for: ``--budget``, and ``--budget-sweep N`` (from a first worker's range of budgets
+    worth planning)."""
     from hyper_parallel.planner import parse_budget
 
     modes = [f"{PLAN_PREFIX}{parse_budget(args.budget)}"] if args.budget is not None else []
     if args.budget_sweep:
-        span = run_mode(args, PLAN_RANGE, _Progress(1, enabled=False), 0)
+        span = run_mode(args, PLAN_RANGE)
         if "error" in span:
             raise RuntimeError(f"planning the budget range failed: {span['error']}\n{span.get('stderr', '')}")
         low, high, n = span["min_budget_bytes"], span["reference_peak_bytes"], args.budget_sweep
@@ -404,17 +323,15 @@ def _plan_modes(args) -> List[str]:
 def run_comparison(args, parser) -> int:
     modes = _mode_list(args, parser) + _plan_modes(args)
     config, exact = _config(args), args.device.split(":")[0] == "cpu"
-    steps = max(1, args.steps)
-    progress = _Progress(total=len(modes) * steps, enabled=not args.no_progress)
     t_start = time.perf_counter()
     results: List[Dict[str, Any]] = []
     for i, mode in enumerate(modes):
-        r = run_mode(args, mode, progress, base_done=i * steps)
-        progress.done = (i + 1) * steps
-        progress.log(f"[{i + 1}/{len(modes)}] {mode}: " + (f"FAILED ({r['error']})" if "error" in r else "done")
-                     + f" in {r['wall_s']:.1f}s")
-        results.append(r)
-    progress.close()
+        if not args.no_progress:
+            print(f"[{i + 1}/{len(modes)}] {mode} ...", end="", file=sys.stderr, flush=True)
+        results.append(run_mode(args, mode))
+        if not args.no_progress:
+            r = results[-1]
+            print(f" {'FAILED (' + r['error'] + ')' if 'error' in r else 'done'} in {r['wall_s']:.1f}s", file=sys.stderr)
     total = time.perf_counter() - t_start
 
     base = results[0] if results[0]["mode"] == "none" and "error" not in results[0] else None
@@ -476,10 +393,9 @@ def run_comparison(args, parser) -> int:
 
 
 def check_options(args, parser: argparse.ArgumentParser) -> None:
-    """Every option, before any mode runs (a mistake found after minutes of training costs those
-    minutes): the sizes (as ``GPTConfig`` checks them), the modes, the budgets, the device,
-    matplotlib for ``--plot`` and the folders the outputs go to. Exits through ``parser.error``
-    (status 2)."""
+    """Every option, before any mode runs (a mistake found after minutes of training costs those minutes): the sizes (as
+    ``GPTConfig`` checks them), the modes, the budgets, the device, matplotlib for ``--plot`` and the folders the
+    outputs go to. Exits through ``parser.error`` (status 2)."""
     from hyper_parallel.bench.model import GPTConfig
     from hyper_parallel.planner import parse_budget
 

@@ -1,22 +1,18 @@
 """The one benchmark harness: build a variant of a model, train it a step, meter it, time it.
 
-Every benchmark trains through :func:`train_step`: ``python -m hyper_parallel.bench`` (one variant
-per process, :func:`hyper_parallel.bench.model.train_steps`) and every script of ``benchmarks/``
-(:func:`run_variants`: variants side by side in one process). A variant is a recipe of
-:mod:`hyper_parallel.bench.modes` applied to a copy of a model, with its own optimizer: SGD without
-momentum, which keeps no state, so that what a variant holds is parameters, gradients and
+Every benchmark trains through :func:`train_step`: ``python -m hyper_parallel.bench`` (one variant per process,
+:func:`hyper_parallel.bench.model.train_steps`) and every script of ``benchmarks/`` (:func:`run_variants`: variants side
+by side in one process). A variant is a recipe of :mod:`hyper_parallel.bench.modes` applied to a copy of a model, with
+its own optimizer: SGD without momentum, which keeps no state, so that what a variant holds is parameters, gradients and
 activations (what recompute and swap change) and the copies of every variant fit in one process.
 
-* **Step**: the global RNG seeded (dropout alike in every variant), gradients dropped, forward +
-  backward timed (:func:`timed`), the optimizer step after it. A model takes its batch (a tuple:
-  positional arguments; a dict: keyword arguments, as Hugging Face models take ``input_ids`` and
-  ``labels``) and returns the loss, or an output whose ``.loss`` it is.
-* **Memory**: one ``MemoryMeter`` (accelerators: the allocator's counters; CPU: live storages, the
-  library's and the peers' host copies excluded) split into phases by ``reset_peak``: the peak and
-  the live bytes at the end of the forward, the backward and the optimizer step, each as the
-  variant's parameters and buffers plus what the step added.
-* **Time**: interleaved rounds (one step of every variant per round, the order reversed every other
-  round), medians; :class:`counting_calls` counts the interpreter's calls instead.
+* **Step**: the RNG seeded (dropout alike in every variant), gradients dropped, forward + backward timed (:func:`timed`),
+  the optimizer step after it. A model takes its batch (a tuple: positional arguments; a dict: keyword arguments, as
+  Hugging Face models take ``input_ids`` and ``labels``) and returns the loss, or an output whose ``.loss`` it is.
+* **Memory**: one ``MemoryMeter`` (the allocator's counters; on CPU live storages, host copies excluded) split by
+  ``reset_peak``: each phase's peak and end (forward, backward, optimizer step), as the variant's parameters and
+  buffers plus what the step added.
+* **Time**: interleaved rounds (the order reversed every other round), medians; :class:`counting_calls` counts calls.
 * **Bytes moved**: ours from ``SwapManager().stats()``, the peers' from their recipes' counters.
 """
 
@@ -40,10 +36,6 @@ from hyper_parallel.core.activation_checkpoint import SwapManager
 from hyper_parallel.tools.clock import no_gc, step_clock
 from hyper_parallel.tools.memory import MemoryMeter
 
-__all__ = ["Variant", "RunResult", "PHASES", "COMPILED", "synchronize", "timed", "interleaved", "median",
-           "counting_calls", "optimizer_for", "forward_loss", "build_variant", "train_step", "run_variants",
-           "summarize", "storage_bytes", "module_bytes", "grad_bytes", "saved_bytes_per_layer", "truncated_copy", "probe_bandwidth",
-           "released_caches"]
 
 #: The phases of a metered step, in order.
 PHASES = ("forward", "backward", "optimizer")
@@ -53,11 +45,8 @@ COMPILED = "+compile"
 Batch = Any  # a tuple of positional arguments, or a dict of keyword arguments
 
 
-# --------------------------------------------------------------------------- time
-
 def synchronize(device: Any = None) -> None:
-    """Wait for the work queued on ``device`` (a ``torch.device`` or its name); nothing on CPU or
-    for ``None``."""
+    """Wait for the work queued on ``device`` (a ``torch.device`` or its name); nothing on CPU or for ``None``."""
     if device is None or torch.device(device).type == "cpu":
         return
     torch.get_device_module(torch.device(device).type).synchronize()
@@ -65,11 +54,9 @@ def synchronize(device: Any = None) -> None:
 
 @contextlib.contextmanager
 def timed(device: Any) -> Iterator[Callable[[], float]]:
-    """Time a region: yields ``elapsed()``, the seconds since the region began on the step clock
-    (``hyper_parallel.tools.clock.step_clock``), the device synchronised first and the garbage
-    collector paused inside. Synchronise before the last reading to time the device's work.
-
-    Example::
+    """Time a region: yields ``elapsed()``, the seconds since it began on the step clock
+    (``hyper_parallel.tools.clock``), the device synchronised first, the garbage collector paused inside (synchronise
+    before the last reading to time the device's work). Example::
 
         >>> with timed("cpu") as elapsed:
         ...     _ = sum(range(1000))
@@ -95,16 +82,11 @@ def median(times: Sequence[float]) -> Optional[float]:
 
 
 class counting_calls:
-    """Count the calls the interpreter makes while inside, on this thread (``sys.setprofile``):
-    ``python`` = calls of Python functions, ``builtin`` = calls of C functions (builtins, torch's
-    named functions and methods; operators such as ``a + b`` go through C slots, unseen). Unlike a
-    time, a busy machine does not change the count. Hooks autograd calls from another thread (an
-    accelerator's backward) are not seen: run the backward with
-    ``torch.autograd.set_multithreading_enabled(False)``. A class, not a generator context
-    manager, so that leaving adds exactly one call of each kind, taken off; a profiler installed
-    before (a Python function, or cProfile) gets its hook back.
-
-    Example::
+    """Count the calls the interpreter makes inside, on this thread (``sys.setprofile``): ``python`` functions and
+    ``builtin`` (C) ones, torch's named functions and methods included (operators such as ``a + b`` go through C slots,
+    unseen); unlike a time, a busy machine does not change it. Hooks autograd calls from another thread are not seen
+    (``set_multithreading_enabled(False)``). A class, so that leaving adds exactly one call of each kind, taken off; a
+    profiler installed before gets its hook back. Example::
 
         >>> with counting_calls() as calls:
         ...     _ = sorted([3, 1, 2])
@@ -139,8 +121,6 @@ class counting_calls:
             self._previous.enable()
 
 
-# --------------------------------------------------------------------------- sizes
-
 def storage_bytes(tensors: Sequence[Any]) -> int:
     """Bytes of the distinct storages of the tensors among ``tensors``."""
     seen = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors
@@ -159,8 +139,8 @@ def grad_bytes(model: nn.Module) -> int:
 
 
 def saved_bytes_per_layer(model: nn.Module, batch: Batch) -> List[int]:
-    """Bytes of the distinct storages each layer of an unwrapped ``model`` saves for backward
-    (parameters and buffers excluded), from one forward of ``batch``: one layer's activations."""
+    """Bytes of the distinct storages each layer of an unwrapped ``model`` saves for backward (parameters and buffers
+    excluded), from one forward of ``batch``: one layer's activations."""
     static = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
     per_layer: List[Dict[int, int]] = [dict() for _ in model.layers]
     current: List[Optional[int]] = [None]
@@ -185,8 +165,8 @@ def saved_bytes_per_layer(model: nn.Module, batch: Batch) -> List[int]:
 
 
 def truncated_copy(model: nn.Module, layers: int) -> nn.Module:
-    """A deep copy of a bench GPT keeping its first ``layers`` blocks (a deep GPT is slow to build:
-    a layer sweep builds the deepest once and copies prefixes of it)."""
+    """A deep copy of a bench GPT keeping its first ``layers`` blocks (a deep GPT is slow to build: a layer sweep builds
+    the deepest once and copies prefixes of it)."""
     full, cfg = model.layers, model.cfg
     model.layers = nn.ModuleList(list(full)[:layers])
     model.cfg = type(cfg)(**{**cfg.to_dict(), "layers": layers})
@@ -195,8 +175,6 @@ def truncated_copy(model: nn.Module, layers: int) -> nn.Module:
     finally:
         model.layers, model.cfg = full, cfg
 
-
-# --------------------------------------------------------------------------- variants and the step
 
 @dataclass
 class Variant:
@@ -230,9 +208,9 @@ def optimizer_for(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 
 def build_variant(name: str, base: nn.Module, device: Any, lr: float,
                   recipes: Mapping[str, Recipe] = RECIPES) -> Variant:
-    """Recipe ``name`` of ``recipes`` applied to a copy of ``base`` (already on ``device``), with its
-    optimizer; ``<recipe>+compile``: then under ``torch.compile``. ``RuntimeError`` with the reason
-    when the recipe cannot run here."""
+    """Recipe ``name`` of ``recipes`` applied to a copy of ``base`` (already on ``device``), with its optimizer;
+    ``<recipe>+compile``: then under ``torch.compile``. ``RuntimeError`` with the reason when the recipe cannot run
+    here."""
     recipe = name[:-len(COMPILED)] if name.endswith(COMPILED) else name
     model = copy.deepcopy(base)
     counter = apply_variant(model, recipe, device=device, recipes=recipes)
@@ -244,8 +222,8 @@ def build_variant(name: str, base: nn.Module, device: Any, lr: float,
 
 
 def forward_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """``model(*batch)`` (a tuple) or ``model(**batch)`` (a dict), as a loss tensor (an output's
-    ``.loss``, as Hugging Face models return it)."""
+    """``model(*batch)`` (a tuple) or ``model(**batch)`` (a dict), as a loss tensor (an output's ``.loss``, as Hugging
+    Face models return it)."""
     out = model(**batch) if isinstance(batch, Mapping) else model(*batch)
     return out if isinstance(out, torch.Tensor) else out.loss
 
@@ -261,10 +239,9 @@ def _moved_so_far(v: Variant) -> Tuple[int, int, int]:
 
 def train_step(v: Variant, batch: Batch, seed: int, device: Any,
                meter: Optional[MemoryMeter] = None) -> Tuple[float, float, float]:
-    """One training step of ``v``: ``(loss, forward + backward seconds, forward seconds)``; the
-    bytes it moved go to ``v.moved`` (and ``v.load_launches`` / ``v.tensors_out``). The forward's
-    time is read when it returns (on an accelerator: the host's time to issue it). With ``meter``
-    (entered by the caller), every phase's peak and end go to ``v.phases`` (see the module doc)."""
+    """One training step of ``v``: ``(loss, forward + backward seconds, forward seconds)`` (the forward's read when it
+    returns: on an accelerator, the host's time to issue it); the bytes it moved go to ``v.moved``, ``v.load_launches``
+    / ``v.tensors_out``; with ``meter`` (entered by the caller) each phase's peak and end go to ``v.phases``."""
     device = torch.device(device)
     torch.manual_seed(seed)
     v.optimizer.zero_grad(set_to_none=True)
@@ -300,9 +277,9 @@ def train_step(v: Variant, batch: Batch, seed: int, device: Any,
 
 
 def metered_step(v: Variant, batch: Batch, seed: int, device: Any) -> Tuple[float, float, float]:
-    """One step under a ``MemoryMeter`` (``v.phases``; ``v.peak_bytes``, the highest phase peak).
-    A compiled variant on CPU makes a plain step: the CPU meter counts storages through a dispatch
-    mode, which cannot see inside compiled kernels (and changes how dynamo runs them)."""
+    """One step under a ``MemoryMeter`` (``v.phases``; ``v.peak_bytes``, the highest phase peak). A compiled variant on
+    CPU makes a plain step: the CPU meter's dispatch mode cannot see inside compiled kernels (and changes how dynamo
+    runs them)."""
     device = torch.device(device)
     if v.recipe != v.name and device.type == "cpu":
         return train_step(v, batch, seed, device)
@@ -320,8 +297,8 @@ def metered_step(v: Variant, batch: Batch, seed: int, device: Any) -> Tuple[floa
 
 
 def calls_step(v: Variant, batch: Batch, seed: int, device: Any) -> Tuple[float, float, float]:
-    """One untimed forward + backward under :class:`counting_calls` (``v.calls``), the backward on
-    this thread so that its hooks are counted on an accelerator too."""
+    """One untimed forward + backward under :class:`counting_calls` (``v.calls``), the backward on this thread so that
+    its hooks are counted on an accelerator too."""
     torch.manual_seed(seed)
     v.optimizer.zero_grad(set_to_none=True)
     with torch.autograd.set_multithreading_enabled(False), counting_calls() as calls:
@@ -338,28 +315,18 @@ class RunResult:
     errors: Dict[str, str]
 
 
-def _error(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
 def run_variants(names: Sequence[str], cfg: Any = None, *, batch: int = 0, device: Any, rounds: int, warmup: int,
                  lr: float, seed: int, dtype: torch.dtype = torch.float32, metered: bool = True,
                  count_calls: bool = False, trace_dir: Optional[str] = None, profile_copies: bool = False,
                  trace_gz: bool = False, base_model: Optional[nn.Module] = None,
                  batches: Optional[Callable[[int], Batch]] = None, recipes: Optional[Mapping[str, Recipe]] = None,
                  log: Callable[[str], None] = print) -> RunResult:
-    """Build every variant from one base model and run them side by side.
-
-    Per variant: ``warmup`` steps, one metered step (not when ``metered`` is false), one untimed
-    step counting calls (``count_calls``), then ``rounds`` timed steps interleaved; every variant
-    sees the same batches, so the losses must agree; on CPU the last step's gradients are compared
-    with ``none``'s, bitwise. Optionally one more step per variant under ``torch.profiler``
-    (``trace_dir``: Chrome traces; ``profile_copies``: copy-engine figures from device events).
-    A variant that cannot be built is skipped, one that fails is dropped: each with its reason.
-
-    ``base_model`` (moved to ``device`` / ``dtype`` in place; default a bench ``GPT(cfg, seed)``)
-    and ``batches(i)``, step ``i``'s batch (default ``make_batch(cfg, batch, seed + i)``);
-    ``recipes``: where the names are looked up (default ``RECIPES``)."""
+    """Build every variant (of ``recipes``) from one base model and run them side by side: per variant ``warmup`` steps,
+    one metered step (``metered``), one step counting calls (``count_calls``), ``rounds`` timed steps interleaved, then
+    optionally one under ``torch.profiler`` (``trace_dir``: Chrome traces; ``profile_copies``: copy-engine figures).
+    Every variant sees the same batches; on CPU the last gradients are compared with ``none``'s. A variant that cannot
+    be built is skipped, one that fails dropped, each with its reason. ``base_model`` (moved to ``device`` / ``dtype``;
+    default ``GPT(cfg, seed)``), ``batches(i)``: step ``i``'s batch (default ``make_batch(cfg, batch, seed + i)``)."""
     from hyper_parallel.bench.trace import analyze_copies, write_trace
 
     recipes = RECIPES if recipes is None else recipes
@@ -377,21 +344,20 @@ def run_variants(names: Sequence[str], cfg: Any = None, *, batch: int = 0, devic
         try:
             variants[name] = build_variant(name, base, device, lr, recipes)
         except Exception as exc:  # e.g. torchtune absent, or its constructor failing here
-            skipped[name] = str(exc) if isinstance(exc, RuntimeError) else _error(exc)
+            skipped[name] = str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
             log(f"skipping {name}: {skipped[name]}")
     del base
     traced = bool(trace_dir or profile_copies)
     steps = [batches(i) for i in range(warmup + int(metered) + int(count_calls) + rounds + int(traced))]
 
     def step(name: str, i: int, fn: Callable[..., Any] = train_step) -> Any:
-        """``fn(variant, batch i, seed + i)``; ``None`` once the variant has failed: one broken
-        variant must not sink the comparison."""
+        # ``None`` once the variant has failed: one broken variant must not sink the comparison
         if name in errors:
             return None
         try:
             out = fn(variants[name], steps[i], seed + i, device)
         except Exception as exc:
-            errors[name] = _error(exc)
+            errors[name] = f"{type(exc).__name__}: {exc}"
             log(f"variant {name} failed: {errors[name]}")
             return None
         variants[name].losses.append(out[0])
@@ -419,7 +385,7 @@ def run_variants(names: Sequence[str], cfg: Any = None, *, batch: int = 0, devic
                     if profile_copies and recipes[v.recipe].offloads and device.type != "cpu":
                         v.copy_engine = analyze_copies(path)
             except Exception as exc:
-                errors[name] = _error(exc)
+                errors[name] = f"{type(exc).__name__}: {exc}"
                 log(f"variant {name} failed: {errors[name]}")
             v.trace_path = path if trace_dir and name not in errors else None
             if not trace_dir and os.path.exists(path):
@@ -450,11 +416,9 @@ def summarize(v: Variant, recipes: Mapping[str, Recipe] = RECIPES) -> Dict[str, 
     }
 
 
-# --------------------------------------------------------------------------- the machine
-
 def probe_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 8) -> Dict[str, Any]:
-    """Raw pinned host<->device copy bandwidth (GB/s, 1e9 B/s) of one big buffer, timed with
-    device events on a side stream: the physical limit of this machine's link."""
+    """Pinned host<->device copy bandwidth (GB/s) of one big buffer, timed with device events on a side stream: the
+    physical limit of this machine's link."""
     if device.type == "cpu":
         return {"skipped": "no accelerator: host and device are the same memory"}
     dm = torch.get_device_module(device.type)
@@ -478,8 +442,8 @@ def probe_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 8) 
 
 @contextlib.contextmanager
 def released_caches(device: torch.device) -> Iterator[None]:
-    """After a block: drop the swap manager's layer chain and pooled host buffers, and the
-    framework's cached device / pinned host memory, so the next sweep point starts clean."""
+    """After a block: drop the swap manager's chain and host pool and the framework's cached device and pinned memory,
+    so that the next sweep point starts clean."""
     try:
         yield
     finally:

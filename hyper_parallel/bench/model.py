@@ -1,9 +1,8 @@
-"""A small GPT for the tests and the benchmarks, written so that what recompute and swap see is easy
-to reason about: attention by hand (``torch.matmul`` + ``masked_fill`` + softmax: ``aten.mm`` /
-``addmm`` / ``bmm`` reach the dispatcher, where a policy can target them); one causal-mask buffer
-passed by keyword to every layer (a tensor shared by all layers, which a swap system must keep on
-the device); the head tied to the token embedding (a parameter used twice); dropout on by default
-(bit-exactness of recompute tested with RNG). Deterministic: ``GPT(cfg, seed)`` draws from a private
+"""A small GPT for the tests and the benchmarks, written so that what recompute and swap see is easy to reason about:
+attention by hand (``torch.matmul`` + ``masked_fill`` + softmax: ``aten.mm`` / ``addmm`` / ``bmm`` reach the dispatcher,
+where a policy can target them); one causal-mask buffer passed by keyword to every layer (a tensor shared by all layers,
+which a swap system must keep on the device); the head tied to the token embedding (a parameter used twice); dropout on
+by default (bit-exactness of recompute tested with RNG). Deterministic: ``GPT(cfg, seed)`` draws from a private
 generator, ``make_batch(cfg, batch, seed)`` likewise, and ``train_steps`` seeds dropout per step.
 """
 
@@ -18,17 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "Block", "Attention", "MLP", "make_batch", "train_steps", "ResidualMLP",
-           "SmallOpsNet"]
-
 
 @dataclass
 class GPTConfig:
-    """Shape of the model: ``vocab`` tokens (the head is tied to their embedding), width ``dim``,
-    ``heads`` attention heads, ``layers`` blocks in ``model.layers``, ``seq`` the longest sequence
-    (the mask buffer is ``(seq, seq)``), the feed-forward's hidden width ``mlp_ratio * dim``, the
-    ``dropout`` of attention and residual branches. Checked: every size >= 1, ``dim`` divisible by
-    ``heads``, dropout in [0, 1)."""
+    """Shape of the model: ``vocab`` tokens (the head is tied to their embedding), width ``dim``, ``heads`` attention
+    heads, ``layers`` blocks in ``model.layers``, ``seq`` the longest sequence (the mask buffer is ``(seq, seq)``), the
+    feed-forward's hidden width ``mlp_ratio * dim``, the ``dropout`` of attention and residual branches. Checked: every
+    size >= 1, ``dim`` divisible by ``heads``, dropout in [0, 1)."""
 
     vocab: int = 512
     dim: int = 256
@@ -172,9 +167,9 @@ class GPT(nn.Module):
 
 
 def make_batch(cfg: GPTConfig, batch: int, seed: int, device: Any = "cpu"):
-    """A deterministic ``(tokens, targets)`` pair, both int64 ``(batch, cfg.seq)``: arithmetic
-    progressions modulo ``vocab`` with a random start and stride in ``[1, 4]``, the targets the next
-    tokens (the stride can only be read from the context: attention has something to learn)."""
+    """A deterministic ``(tokens, targets)`` pair, both int64 ``(batch, cfg.seq)``: arithmetic progressions modulo
+    ``vocab`` with a random start and stride in ``[1, 4]``, the targets the next tokens (the stride can only be read
+    from the context: attention has something to learn)."""
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     start = torch.randint(0, cfg.vocab, (batch, 1), generator=gen)
     stride = torch.randint(1, 5, (batch, 1), generator=gen)
@@ -188,15 +183,14 @@ def make_batch(cfg: GPTConfig, batch: int, seed: int, device: Any = "cpu"):
 def train_steps(model: nn.Module, steps: int, batch: int, lr: float, seed: int, device: Any = "cpu",
                 meter: Any = None, times: Optional[List[float]] = None,
                 on_step: Optional[Callable[[int, float], None]] = None) -> List[float]:
-    """Train ``model`` (a :class:`GPT`, wrapped or not) for ``steps`` steps of the benchmark
-    harness (:func:`hyper_parallel.bench.harness.train_step`, SGD) and return each step's loss.
+    """Train ``model`` (a :class:`GPT`, wrapped or not) for ``steps`` steps of the benchmark harness
+    (:func:`hyper_parallel.bench.harness.train_step`, SGD) and return each step's loss.
 
-    Step ``i`` trains on ``make_batch(cfg, batch, seed + i)`` with the global RNG (dropout) seeded
-    from ``seed + i``: two calls with the same arguments on equal models give equal losses.
-    ``meter`` wraps the training loop when given: a context manager, or a callable
-    ``meter(model, optimizer)`` returning one (so that a memory meter can track the optimizer made
-    here). ``times``, a list, receives each step's forward + backward seconds; ``on_step(i, loss)``
-    is called after each step.
+    Step ``i`` trains on ``make_batch(cfg, batch, seed + i)`` with the global RNG (dropout) seeded from ``seed + i``:
+    two calls with the same arguments on equal models give equal losses. ``meter`` wraps the training loop when given: a
+    context manager, or a callable ``meter(model, optimizer)`` returning one (so that a memory meter can track the
+    optimizer made here). ``times``, a list, receives each step's forward + backward seconds; ``on_step(i, loss)`` is
+    called after each step.
 
     Example::
 
@@ -224,8 +218,8 @@ def train_steps(model: nn.Module, steps: int, batch: int, lr: float, seed: int, 
 
 
 class ResidualMLP(nn.Module):
-    """``x + fc2(gelu(fc1(norm(x))))`` on ``(..., dim)`` inputs: the block of :class:`SmallOpsNet`
-    (and of the pipeline example)."""
+    """``x + fc2(gelu(fc1(norm(x))))`` on ``(..., dim)`` inputs: the block of :class:`SmallOpsNet` (and of the pipeline
+    example)."""
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
@@ -238,10 +232,10 @@ class ResidualMLP(nn.Module):
 
 
 class SmallOpsNet(nn.Module):
-    """``blocks`` :class:`ResidualMLP` blocks in ``.layers`` on ``(batch, dim)`` inputs; the loss is
-    the mean square of the output. A block saves about eight small tensors, so the cost per saved
-    tensor dominates a step: the model of ``benchmarks/swap_overhead.py``. Deterministic from
-    ``seed`` (the global RNG untouched); ``model(*model.make_batch(batch, seed))`` is a loss."""
+    """``blocks`` :class:`ResidualMLP` blocks in ``.layers`` on ``(batch, dim)`` inputs; the loss is the mean square of
+    the output. A block saves about eight small tensors, so the cost per saved tensor dominates a step: the model of
+    ``benchmarks/swap_overhead.py``. Deterministic from ``seed`` (the global RNG untouched);
+    ``model(*model.make_batch(batch, seed))`` is a loss."""
 
     def __init__(self, blocks: int = 48, dim: int = 32, hidden: int = 64, seed: int = 0) -> None:
         super().__init__()

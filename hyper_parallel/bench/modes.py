@@ -1,15 +1,14 @@
 """Every way the benchmarks train a model, in one registry: our modes, PyTorch's and torchtune's.
 
-Each entry of ``RECIPES`` is a :class:`Recipe`: a name, who provides it (``baseline``, ``ours``,
-``peer``), one line saying what it wraps and how (the legends print it), and a few lines that apply
-it to a model's layer stack (``model.layers``, or the stack ``find_layer_stack`` finds in a Hugging
-Face model; the ``func*`` and ``attn`` recipes need layers with ``.attn`` and ``.mlp``). The
-benchmarks pick their rows by name: ``python -m hyper_parallel.bench`` (``MODE_RECIPES``, the RFC's
-seven modes; ``SWAP_WRAPPER_RECIPES`` with ``--swap-wrapper``), ``benchmarks/compare_peers.py``
-(``PEER_VARIANTS``), ``recompute_vs_torch.py`` (``RECOMPUTE_VS_TORCH``), ``swap_overhead.py``
-(``OVERHEAD_VARIANTS``: ``copy_hooks`` and ``torch_sac_copy`` are the peers doing what ours do on a
-CPU), ``swap_memory.py`` (``MEMORY_VARIANTS``); ``compile_vs_eager.py`` and ``planner.py`` any.
-The library is imported lazily, so ``none`` (and the peers) work without it.
+Each entry of ``RECIPES`` is a :class:`Recipe`: a name, who provides it (``baseline``, ``ours``, ``peer``), one line
+saying what it wraps and how (the legends print it), and a few lines that apply it to a model's layer stack
+(``model.layers``, or the stack ``find_layer_stack`` finds in a Hugging Face model; the ``func*`` and ``attn`` recipes
+need layers with ``.attn`` and ``.mlp``). The benchmarks pick their rows by name: ``python -m hyper_parallel.bench``
+(``MODE_RECIPES``, the RFC's seven modes; ``SWAP_WRAPPER_RECIPES`` with ``--swap-wrapper``),
+``benchmarks/compare_peers.py`` (``PEER_VARIANTS``), ``recompute_vs_torch.py`` (``RECOMPUTE_VS_TORCH``),
+``swap_overhead.py`` (``OVERHEAD_VARIANTS``: ``copy_hooks`` and ``torch_sac_copy`` are the peers doing what ours do on a
+CPU), ``swap_memory.py`` (``MEMORY_VARIANTS``); ``compile_vs_eager.py`` and ``planner.py`` any. The library is imported
+lazily, so ``none`` (and the peers) work without it.
 """
 
 from __future__ import annotations
@@ -24,12 +23,6 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-__all__ = [
-    "Recipe", "RECIPES", "MODES", "SWAP_WRAPPER_MODES", "MODE_RECIPES", "SWAP_WRAPPER_RECIPES", "PEER_VARIANTS",
-    "RECOMPUTE_VS_TORCH", "OVERHEAD_VARIANTS", "MEMORY_VARIANTS", "DEFAULT_SWAP_THRESHOLD_BYTES", "MATMUL_OPS",
-    "save_matmuls", "swap_matmuls", "swap_if_at_least", "chain_layers", "layer_stack", "apply_variant", "apply_mode",
-    "apply_swap_wrapper_mode", "ByteCounter", "CopyHooks", "HooksLayer", "sac_host_copy_contexts",
-]
 
 # One (batch 4, heads 4, 256 x 256) float32 attention matrix of the bench's default model: the
 # attention's other saved tensors are at most 1 MiB. The bench derives it from its actual shape.
@@ -46,25 +39,25 @@ def _api():
 
 
 def save_matmuls(ctx, op, *args, **kwargs):
-    """Selective-checkpoint policy: keep matmul outputs (MUST_SAVE), recompute the rest (layer
-    norm, GELU, softmax, dropout...): expensive ops are not redone, cheap memory-hungry ones are.
-    Usage: ``checkpoint_wrapper(layer, policy_fn=save_matmuls)``."""
+    """Selective-checkpoint policy: keep matmul outputs (MUST_SAVE), recompute the rest (layer norm, GELU, softmax,
+    dropout...): expensive ops are not redone, cheap memory-hungry ones are. Usage: ``checkpoint_wrapper(layer,
+    policy_fn=save_matmuls)``."""
     policy = _api().CheckpointPolicy
     return policy.MUST_SAVE if op in MATMUL_OPS else policy.MUST_RECOMPUTE
 
 
 def swap_matmuls(ctx, op, *args, **kwargs):
-    """Like :func:`save_matmuls` with the matmul outputs MUST_SWAP: offloaded after the layer's
-    forward and prefetched before its backward, in chained layers (unchained: saved). Usage:
-    ``wrap_layers(model.layers, policy_fn=swap_matmuls, swap_inputs=True)``."""
+    """Like :func:`save_matmuls` with the matmul outputs MUST_SWAP: offloaded after the layer's forward and prefetched
+    before its backward, in chained layers (unchained: saved). Usage: ``wrap_layers(model.layers,
+    policy_fn=swap_matmuls, swap_inputs=True)``."""
     policy = _api().CheckpointPolicy
     return policy.MUST_SWAP if op in MATMUL_OPS else policy.MUST_RECOMPUTE
 
 
 def swap_if_at_least(threshold_bytes: int) -> Callable:
-    """A ``swap_wrapper`` policy: MUST_SWAP for tensors of at least ``threshold_bytes``, else
-    MUST_SAVE (attention matrices go to the host, small tensors stay: most of the memory for few
-    transfers). Usage: ``swap_wrapper(layer.attn, policy_fn=swap_if_at_least(4 << 20))``."""
+    """A ``swap_wrapper`` policy: MUST_SWAP for tensors of at least ``threshold_bytes``, else MUST_SAVE (attention
+    matrices go to the host, small tensors stay: most of the memory for few transfers). Usage:
+    ``swap_wrapper(layer.attn, policy_fn=swap_if_at_least(4 << 20))``."""
     threshold = int(threshold_bytes)
     if threshold < 0:
         raise ValueError(f"threshold_bytes must be >= 0, got {threshold_bytes}")
@@ -79,9 +72,9 @@ def swap_if_at_least(threshold_bytes: int) -> Callable:
 
 
 def chain_layers(layers) -> None:
-    """Declare the forward order of ``layers`` to the swap manager, for stacks whose layers were
-    not wrapped themselves (``wrap_layers`` chains the ones it wraps): a layer's swapped tensors
-    are offloaded when the next one has run its forward, prefetched when it starts its backward."""
+    """Declare the forward order of ``layers`` to the swap manager, for stacks whose layers were not wrapped themselves
+    (``wrap_layers`` chains the ones it wraps): a layer's swapped tensors are offloaded when the next one has run its
+    forward, prefetched when it starts its backward."""
     manager, layers = _api().SwapManager(), list(layers)
     for first, second in zip(layers, layers[1:]):
         manager.set_forward_prefetch_layer(first, second)
@@ -96,16 +89,14 @@ def layer_stack(model: nn.Module) -> nn.ModuleList:
     return find_layer_stack(model).layers
 
 
-# --------------------------------------------------------------------------- the peers' pieces
-
 def _torch_policy(ctx, op, *args, **kwargs):
     policy = torch.utils.checkpoint.CheckpointPolicy
     return policy.MUST_SAVE if op in MATMUL_OPS else policy.PREFER_RECOMPUTE
 
 
 class HooksLayer(nn.Module):
-    """A layer run under a ``saved_tensors_hooks`` context made by ``hooks()`` (default none), and
-    under PyTorch's non-reentrant checkpoint when ``checkpointed`` or given a ``context_fn``."""
+    """A layer run under a ``saved_tensors_hooks`` context made by ``hooks()`` (default none), and under PyTorch's
+    non-reentrant checkpoint when ``checkpointed`` or given a ``context_fn``."""
 
     def __init__(self, inner: nn.Module, hooks: Callable[[], Any] = contextlib.nullcontext,
                  checkpointed: bool = False, context_fn: Optional[Callable[[], Any]] = None) -> None:
@@ -124,10 +115,9 @@ class HooksLayer(nn.Module):
 
 @dataclass
 class ByteCounter:
-    """Bytes a peer moved to the host (``d2h``) and back (``h2d``) and the tensors it copied out,
-    counted by its hooks. While ``mark``, its host copies are marked as host memory for the CPU
-    meter: in the metered step only (marking costs about 20 us a tensor: the meter's cost, not the
-    peer's; the engine marks a pooled buffer once)."""
+    """Bytes a peer moved to the host (``d2h``) and back (``h2d``) and the tensors it copied out, counted by its hooks.
+    While ``mark``, its host copies are marked as host memory for the CPU meter: in the metered step only (marking costs
+    about 20 us a tensor: the meter's cost, not the peer's; the engine marks a pooled buffer once)."""
 
     d2h: int = 0
     h2d: int = 0
@@ -136,8 +126,8 @@ class ByteCounter:
 
 
 def _host_copy(t: torch.Tensor, counter: ByteCounter) -> torch.Tensor:
-    """A copy of ``t`` (``empty_like`` + ``copy_``, as ``tensor.cpu()`` makes one), counted out and,
-    while ``counter.mark``, marked right after its allocation."""
+    """A copy of ``t`` (``empty_like`` + ``copy_``, as ``tensor.cpu()`` makes one), counted out and, while
+    ``counter.mark``, marked right after its allocation."""
     host = torch.empty_like(t)
     if counter.mark:
         from hyper_parallel.tools.memory import mark_host
@@ -150,8 +140,8 @@ def _host_copy(t: torch.Tensor, counter: ByteCounter) -> torch.Tensor:
 
 
 class CopyHooks(torch.autograd.graph.saved_tensors_hooks):
-    """Copies every saved tensor out (parameters too, as ``save_on_cpu`` does) and back (a
-    ``clone``, as ``.to(device)`` makes a new device tensor): ``save_on_cpu``'s work, on a CPU too."""
+    """Copies every saved tensor out (parameters too, as ``save_on_cpu`` does) and back (a ``clone``, as ``.to(device)``
+    makes a new device tensor): ``save_on_cpu``'s work, on a CPU too."""
 
     def __init__(self, counter: ByteCounter) -> None:
         def unpack(host: torch.Tensor) -> torch.Tensor:
@@ -162,8 +152,8 @@ class CopyHooks(torch.autograd.graph.saved_tensors_hooks):
 
 
 class _HostCopyEntries(dict):
-    """One op's entries of PyTorch's selective-checkpoint cache, held as host copies: copied out
-    when the forward stores an output, back when the recompute takes it."""
+    """One op's entries of PyTorch's selective-checkpoint cache, held as host copies: copied out when the forward stores
+    an output, back when the recompute takes it."""
 
     def __init__(self, counter: ByteCounter) -> None:
         super().__init__()
@@ -202,10 +192,9 @@ class _HostCopyStorage(dict):
 
 
 def sac_host_copy_contexts(policy_fn: Callable, counter: ByteCounter) -> Tuple[Any, Any]:
-    """``create_selective_checkpoint_contexts(policy_fn)`` whose cache holds host copies, counted:
-    what an offloading selective checkpoint does off-device (an outer ``save_on_cpu`` does not see
-    these outputs: PyTorch keeps them in its cache, not as saved tensors). Relies on both contexts
-    keeping the cache as ``.storage`` (PyTorch 2.4+)."""
+    """``create_selective_checkpoint_contexts(policy_fn)`` whose cache holds host copies, counted: what an offloading
+    selective checkpoint does off-device (an outer ``save_on_cpu`` does not see these outputs: PyTorch keeps them in its
+    cache, not as saved tensors). Relies on both contexts keeping the cache as ``.storage`` (PyTorch 2.4+)."""
     caching, cached = torch.utils.checkpoint.create_selective_checkpoint_contexts(policy_fn)
     if not (hasattr(caching, "storage") and hasattr(cached, "storage")):
         raise RuntimeError(f"torch {torch.__version__}: the selective-checkpoint contexts keep no .storage; "
@@ -215,9 +204,9 @@ def sac_host_copy_contexts(policy_fn: Callable, counter: ByteCounter) -> Tuple[A
 
 
 def _counted(hooks: Any, counter: ByteCounter, on_cpu: bool) -> Any:
-    """``save_on_cpu``'s hooks (packed: ``(device, host tensor)``) counting the bytes they move; on a
-    CPU-only machine they model the traffic: the copy ``tensor.cpu()`` skips for a CPU tensor is made
-    (and marked while ``counter.mark``), and a reload is a new tensor."""
+    """``save_on_cpu``'s hooks (packed: ``(device, host tensor)``) counting the bytes they move; on a CPU-only machine
+    they model the traffic: the copy ``tensor.cpu()`` skips for a CPU tensor is made (and marked while
+    ``counter.mark``), and a reload is a new tensor."""
     pack, unpack = hooks.pack_hook, hooks.unpack_hook
 
     def pack_hook(t: torch.Tensor) -> Any:
@@ -259,13 +248,11 @@ def _counted_torchtune(hooks: Any, counter: ByteCounter) -> Any:
     return hooks
 
 
-# --------------------------------------------------------------------------- the recipes
-
 @dataclass(frozen=True)
 class Recipe:
-    """One way to train the model. ``apply(model, device, swap_threshold_bytes)`` wraps it in place
-    and returns the :class:`ByteCounter` of a peer that moves bytes (ours are counted by
-    ``SwapManager().stats()``), else ``None``; ``RuntimeError`` (the reason) when it cannot run here."""
+    """One way to train the model. ``apply(model, device, swap_threshold_bytes)`` wraps it in place and returns the
+    :class:`ByteCounter` of a peer that moves bytes (ours are counted by ``SwapManager().stats()``), else ``None``;
+    ``RuntimeError`` (the reason) when it cannot run here."""
 
     name: str
     who: str                         # "baseline", "ours" or "peer"
@@ -448,8 +435,8 @@ MEMORY_VARIANTS: Tuple[str, ...] = ("none", "ours_recompute", "ours_ckpt_swap", 
 
 def apply_variant(model: nn.Module, name: str, *, device: Any = "cpu", swap_threshold_bytes: Optional[int] = None,
                   recipes: Mapping[str, Recipe] = RECIPES) -> Optional[ByteCounter]:
-    """Apply recipe ``name`` (of ``recipes``) to ``model`` in place; return its byte counter (peers
-    that move bytes) or ``None``. ``RuntimeError`` with the reason when it cannot run on ``device``."""
+    """Apply recipe ``name`` (of ``recipes``) to ``model`` in place; return its byte counter (peers that move bytes) or
+    ``None``. ``RuntimeError`` with the reason when it cannot run on ``device``."""
     if name not in recipes:
         raise ValueError(f"unknown variant {name!r}; choose from {', '.join(recipes)}")
     return recipes[name].apply(model, torch.device(device), swap_threshold_bytes)
@@ -457,8 +444,8 @@ def apply_variant(model: nn.Module, name: str, *, device: Any = "cpu", swap_thre
 
 def apply_mode(model: nn.Module, mode: str, *, swap_wrapper: bool = False,
                swap_threshold_bytes: Optional[int] = None) -> nn.Module:
-    """Apply bench mode ``mode`` (one of ``MODES``; with ``swap_wrapper`` of ``SWAP_WRAPPER_MODES``)
-    to ``model`` in place and return it."""
+    """Apply bench mode ``mode`` (one of ``MODES``; with ``swap_wrapper`` of ``SWAP_WRAPPER_MODES``) to ``model`` in
+    place and return it."""
     if swap_wrapper:
         return apply_swap_wrapper_mode(model, mode, swap_threshold_bytes=swap_threshold_bytes)
     if mode not in MODE_RECIPES:
@@ -468,8 +455,8 @@ def apply_mode(model: nn.Module, mode: str, *, swap_wrapper: bool = False,
 
 
 def apply_swap_wrapper_mode(model: nn.Module, mode: str, *, swap_threshold_bytes: Optional[int] = None) -> nn.Module:
-    """Apply one of ``SWAP_WRAPPER_MODES`` to ``model`` in place and return it; ``swap_with_policy``
-    swaps tensors from ``swap_threshold_bytes`` (default ``DEFAULT_SWAP_THRESHOLD_BYTES``)."""
+    """Apply one of ``SWAP_WRAPPER_MODES`` to ``model`` in place and return it; ``swap_with_policy`` swaps tensors from
+    ``swap_threshold_bytes`` (default ``DEFAULT_SWAP_THRESHOLD_BYTES``)."""
     if mode not in SWAP_WRAPPER_RECIPES:
         raise ValueError(f"unknown swap_wrapper mode {mode!r}; expected one of {', '.join(SWAP_WRAPPER_MODES)}")
     apply_variant(model, SWAP_WRAPPER_RECIPES[mode], swap_threshold_bytes=swap_threshold_bytes)

@@ -1,12 +1,11 @@
 """Profiler traces of a training step, and what they say about the copy engine.
 
-:func:`write_trace` runs one step under ``torch.profiler`` and writes a Chrome trace (open it in
-``chrome://tracing`` or https://ui.perfetto.dev); the swap engine's launches and waits are named
-ranges there (``hyper_parallel.launch_offload[<group>]``, ``wait_offload``, ``launch_load``,
-``wait_load``), the copies ``Memcpy DtoH`` / ``HtoD`` on the copy stream. :func:`range_names` lists
-a trace's ``hyper_parallel.*`` ranges; :func:`analyze_copies` reads its device events: bytes and
-busy time of host<->device copies per direction (the achieved bandwidth) and the share of copy time
-during which a compute kernel ran (hidden under compute).
+:func:`write_trace` runs one step under ``torch.profiler`` and writes a Chrome trace (open it in ``chrome://tracing`` or
+https://ui.perfetto.dev); the swap engine's launches and waits are named ranges there
+(``hyper_parallel.launch_offload[<group>]``, ``wait_offload``, ``launch_load``, ``wait_load``), the copies ``Memcpy
+DtoH`` / ``HtoD`` on the copy stream. :func:`range_names` lists a trace's ``hyper_parallel.*`` ranges;
+:func:`analyze_copies` reads its device events: bytes and busy time of host<->device copies per direction (the achieved
+bandwidth) and the share of copy time during which a compute kernel ran (hidden under compute).
 
 Example::
 
@@ -28,8 +27,6 @@ import torch
 
 from hyper_parallel.bench.harness import synchronize
 
-__all__ = ["RANGE_PREFIX", "profiler_activities", "write_trace", "range_names", "trace_events",
-           "analyze_copies"]
 
 #: Every named range the swap engine emits starts with this.
 RANGE_PREFIX = "hyper_parallel."
@@ -44,30 +41,23 @@ def _accelerator() -> Optional[torch.device]:
 
 
 def profiler_activities(device: Any = None) -> List[Any]:
-    """``[CPU]`` plus the profiler activity of ``device`` (default: the current accelerator) when
-    this torch build can profile it (CUDA, XPU, ...)."""
+    """``[CPU]`` plus, for an accelerator (default: the current one), the activities this torch build can profile."""
     from torch.profiler import ProfilerActivity
 
-    acts = [ProfilerActivity.CPU]
     dev = torch.device(device) if device is not None else _accelerator()
     if dev is None or dev.type == "cpu":
-        return acts
-    name = {"cuda": "CUDA", "xpu": "XPU", "mtia": "MTIA", "hpu": "HPU"}.get(dev.type, "PrivateUse1")
-    act = getattr(ProfilerActivity, name, None)
-    if act is not None and act in torch.profiler.supported_activities():
-        acts.append(act)
-    return acts
+        return [ProfilerActivity.CPU]
+    return [ProfilerActivity.CPU] + [a for a in torch.profiler.supported_activities() if a != ProfilerActivity.CPU]
 
 
 def write_trace(model_step_fn: Callable[[], Any], path: Union[str, os.PathLike], *,
                 warmup: int = 0, device: Any = None, activities: Optional[Sequence[Any]] = None,
                 record_shapes: bool = False) -> str:
-    """Run ``model_step_fn()`` (one training step) once under ``torch.profiler``, inside a
-    ``hyper_parallel.step`` range and synchronised, and write a Chrome trace to ``path`` (``.json``,
-    or gzipped ``.json.gz``; its folder is created); return ``str(path)``. ``warmup``: unprofiled
-    calls first (a swap mode's first step allocates its pooled host buffers). ``device``: profiled
-    too where the build supports it (default: the current accelerator, else CPU); ``activities``
-    overrides the profiler's; ``record_shapes`` records every op's input shapes."""
+    """Run ``model_step_fn()`` (one training step) once under ``torch.profiler``, inside a ``hyper_parallel.step`` range
+    and synchronised, and write a Chrome trace to ``path`` (``.json``, or gzipped ``.json.gz``; its folder is created);
+    return ``str(path)``. ``warmup``: unprofiled calls first (a swap mode's first step allocates its pooled host
+    buffers). ``device``: profiled too where the build supports it (default: the current accelerator, else CPU);
+    ``activities`` overrides the profiler's; ``record_shapes`` records every op's input shapes."""
     dev = torch.device(device) if device is not None else _accelerator()
     for _ in range(int(warmup)):
         model_step_fn()
@@ -85,8 +75,8 @@ def write_trace(model_step_fn: Callable[[], Any], path: Union[str, os.PathLike],
 
 
 def trace_events(trace: Any) -> List[Dict[str, Any]]:
-    """The event dicts of a Chrome trace given as a path (``.json`` or ``.json.gz``), a loaded dict
-    or a list of events."""
+    """The event dicts of a Chrome trace given as a path (``.json`` or ``.json.gz``), a loaded dict or a list of events.
+    """
     if isinstance(trace, (str, os.PathLike)):
         opener = gzip.open if os.fspath(trace).endswith(".gz") else open
         with opener(trace, "rt") as f:
@@ -97,16 +87,14 @@ def trace_events(trace: Any) -> List[Dict[str, Any]]:
 
 
 def range_names(trace: Any, prefix: str = RANGE_PREFIX) -> List[str]:
-    """Distinct names starting with ``prefix`` in a trace: a Chrome-trace path / dict / event
-    list, or a finished ``torch.profiler.profile`` object."""
+    """Distinct names starting with ``prefix`` in a trace: a Chrome-trace path / dict / event list, or a finished
+    ``torch.profiler.profile`` object."""
     if hasattr(trace, "events") and callable(trace.events):
         names: Iterable[str] = (e.name for e in trace.events())
     else:
         names = (str(e.get("name", "")) for e in trace_events(trace))
     return sorted({n for n in names if n.startswith(prefix)})
 
-
-# ------------------------------------------------------------------ copy engine figures
 
 def _direction(event: Dict[str, Any]) -> Optional[str]:
     name = str(event.get("name", ""))
@@ -144,13 +132,13 @@ def _covered(start: float, end: float, merged: List[Tuple[float, float]], starts
 def analyze_copies(trace: Any, *, pinned_only: bool = True, min_bytes: int = 0) -> Dict[str, Any]:
     """Host<->device copy figures from the device events of a Chrome trace.
 
-    Returns, per direction (``"d2h"``, ``"h2d"``): ``count``, ``bytes``, ``busy_s`` (the union of
-    the copies' intervals), ``gbps`` (bytes / busy time, 1e9 bytes per second; ``None`` when the
-    trace has no byte counts or no time), ``hidden_s`` (copy time during which some compute kernel
-    ran) and ``overlap_fraction`` (``hidden_s / busy_s``); plus the same totals over both directions
-    and ``kernel_busy_s``. Only copies from/to pinned memory are counted when ``pinned_only`` and
-    the trace names the memory kind (the swap engine and ``save_on_cpu(pin_memory=True)`` use pinned
-    buffers; ``loss.item()`` copies to pageable memory), and only copies of at least ``min_bytes``.
+    Returns, per direction (``"d2h"``, ``"h2d"``): ``count``, ``bytes``, ``busy_s`` (the union of the copies'
+    intervals), ``gbps`` (bytes / busy time, 1e9 bytes per second; ``None`` when the trace has no byte counts or no
+    time), ``hidden_s`` (copy time during which some compute kernel ran) and ``overlap_fraction`` (``hidden_s /
+    busy_s``); plus the same totals over both directions and ``kernel_busy_s``. Only copies from/to pinned memory are
+    counted when ``pinned_only`` and the trace names the memory kind (the swap engine and
+    ``save_on_cpu(pin_memory=True)`` use pinned buffers; ``loss.item()`` copies to pageable memory), and only copies of
+    at least ``min_bytes``.
     """
     events = [e for e in trace_events(trace) if e.get("ph", "X") == "X" and "dur" in e]
     kernels = _merge([(float(e["ts"]), float(e["ts"]) + float(e["dur"]))
