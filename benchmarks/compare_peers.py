@@ -1,24 +1,17 @@
 """hyper-parallel against its peers: peak memory, step time, bytes moved and loss equality.
 
-Every variant (recipes of ``hyper_parallel.bench.modes``, default ``PEER_VARIANTS``: the baseline ``none``; PyTorch's
-``torch_ckpt``, ``torch_sac``, ``save_on_cpu``; torchtune's ``OffloadActivations`` alone and with checkpoint, CUDA only,
-the ``peers`` extra, else skipped with the reason; ours ``ours_recompute``, ``ours_save``, ``ours_swap_wrapper``,
-``ours_ckpt_swap``, ``ours_recompute_swapin``) on the bench GPT and the same data, side by side on the benchmark
-harness. Per variant: the peak of one training step, the median forward + backward time, bytes moved per step and
-whether every loss equals ``none``'s (bitwise on CPU); the headline is each of ours against the best peer and its
-counterparts. On an accelerator also a pinned-copy bandwidth probe, each offloading variant's achieved bandwidth and
-overlap (from the profiler's device events) and the targets. ``--sweep layers`` / ``--sweep seq``: peak and time per
-variant as the model deepens or the sequence grows.
+The rows (default ``PEER_VARIANTS``: ``none``; PyTorch's ``torch_ckpt``, ``torch_sac``, ``save_on_cpu``; torchtune's
+``OffloadActivations`` alone and with checkpoint, CUDA only, the ``peers`` extra; ours) side by side on the benchmark
+harness, on the bench GPT; the headline is each of ours against the best peer and its counterparts. On an accelerator
+also a pinned-copy bandwidth probe, achieved bandwidth and overlap from device events, and the targets. ``--sweep
+layers`` / ``--sweep seq``: peak and time per row as the model deepens or the sequence grows. Exit status: 0, 1 when a
+variant failed, 2 when losses differ from ``none``.
 
 Run::
 
     python benchmarks/compare_peers.py                                 # CPU defaults, ~1-2 min
     python benchmarks/compare_peers.py --sweep layers                  # 4 -> 32 layers
-    python benchmarks/compare_peers.py --device cuda --dtype bfloat16 --dim 2048 --heads 16 \\
-        --layers 16 --seq 2048 --batch 2 --json out.json --png out.png  # see benchmarks/gpu_suite.sh
-
-Exit status: 0 when every variant that ran matched the baseline's losses; 1 when a variant failed; 2 when some variant's
-losses differ from ``none``.
+    python benchmarks/compare_peers.py --device cuda --dtype bfloat16 --dim 2048 --heads 16 --layers 16 --seq 2048
 """
 
 from __future__ import annotations
@@ -44,7 +37,7 @@ SWEEP_DEFAULT_VARIANTS = ["none", "torch_ckpt", "save_on_cpu", "torchtune_offloa
                           "ours_save", "ours_swap_wrapper", "ours_ckpt_swap", "ours_recompute_swapin"]
 SWEEP_DEFAULT_VALUES = {("layers", "cpu"): "4,8,16,32", ("layers", "acc"): "4,8,16,32",
                         ("seq", "cpu"): "64,128,256,512", ("seq", "acc"): "512,1024,2048,4096"}
-MEMORY_NOTE = {"cpu": "CPU: live CPU storages (MemoryMeter), host copies of every offloading variant excluded and reloads "
+MEMORY_NOTE = {"cpu": "CPU: live CPU storages (MemoryMeter), host copies of every offloading variant excluded, reloads "
                       "new device tensors: what a device would hold. CPU step times include synchronous memcpys.",
                "acc": "accelerator: the allocator's peak in one training step above what was allocated before it, "
                       "plus the variant's own parameters and buffers."}
@@ -150,8 +143,9 @@ def targets(results: Dict[str, Dict[str, Any]], probe: Dict[str, Any]) -> List[D
             r = ratio(t["ours_ckpt_swap"], t_save)
             out.append({"target": "ours_ckpt_swap step <= 1.05x ours_save (when transfers fit the compute window)",
                         "value": r, "ok": (r <= 1.05) if fits else None,
-                        "detail": f"transfers at probe speed: D2H {need_d2h * 1e3:.1f} ms vs forward ~{t_save / 3 * 1e3:.1f} "
-                                  f"ms, H2D {need_h2d * 1e3:.1f} ms vs backward ~{2 * t_save / 3 * 1e3:.1f} ms: "
+                        "detail": f"transfers at probe speed: D2H {need_d2h * 1e3:.1f} ms vs forward "
+                                  f"~{t_save / 3 * 1e3:.1f} ms, H2D {need_h2d * 1e3:.1f} ms vs backward "
+                                  f"~{2 * t_save / 3 * 1e3:.1f} ms: "
                                   + ("fit" if fits else "do not fit, target not applicable")})
     for n in ("ours_swap_wrapper", "ours_ckpt_swap") if "save_on_cpu" in ok else ():
         if n in ok:
@@ -227,11 +221,10 @@ def run_compare(args, device: torch.device, dtype: torch.dtype, names: List[str]
     cfg, env, acc = _cfg(args), report.environment(device), device.type != "cpu"
     probe: Dict[str, Any] = {}
     use_probe = args.probe == "on" or (args.probe == "auto" and acc)
-    if use_probe:
-        try:
-            probe = harness.probe_bandwidth(device, nbytes=args.probe_mib * MiB)
-        except Exception as exc:
-            probe = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        probe = harness.probe_bandwidth(device, nbytes=args.probe_mib * MiB) if use_probe else {}
+    except Exception as exc:  # (the figures it enables are optional)
+        probe = {"error": f"{type(exc).__name__}: {exc}"}
     print(f"compare_peers on {device} ({env.get('device_name', platform.machine())}), torch {torch.__version__}, "
           f"dtype {args.dtype}: layers={cfg.layers} dim={cfg.dim} heads={cfg.heads} seq={cfg.seq} "
           f"batch={args.batch} vocab={cfg.vocab} dropout={cfg.dropout}; warmup {args.warmup}, 1 metered step, "
@@ -251,17 +244,14 @@ def run_compare(args, device: torch.device, dtype: torch.dtype, names: List[str]
     print("loss comparison: " + (f"|diff| <= {atol:g}" if acc else "bitwise (cpu)"))
     report.print_problems(run.skipped, run.errors)
     print(format_headline(head))
-    if "d2h_gbps" in probe:
-        print(f"copy probe (pinned, {probe['bytes'] / MiB:.0f} MiB x {probe['reps']}): "
-              f"D2H {probe['d2h_gbps']:.1f} GB/s, H2D {probe['h2d_gbps']:.1f} GB/s")
-    elif probe:
-        print(f"copy probe: {probe}")
+    if probe:
+        print(f"copy probe (pinned, {probe['bytes'] / MiB:.0f} MiB x {probe['reps']}): D2H {probe['d2h_gbps']:.1f} "
+              f"GB/s, H2D {probe['h2d_gbps']:.1f} GB/s" if "d2h_gbps" in probe else f"copy probe: {probe}")
     for t in tg:
         state = {True: "met", False: "NOT MET", None: "n/a"}[t["ok"]]
         print(f"target {state:<7} {t['target']}: {fmt(t['value'], '%.2f')} {t.get('detail', '')}".rstrip())
     if not acc:
-        print("copy-engine figures and targets: accelerator only (CPU copies are synchronous memcpy)")
-        print(report.CPU_TIMING_NOTE)
+        print("copy-engine figures and targets: accelerator only; " + report.CPU_TIMING_NOTE)
     print("SwapManager().stats(): " + report.swap_stats_line(stats))
     if args.trace:
         print(f"chrome traces of one step per variant in {args.trace}")
@@ -282,16 +272,15 @@ def run_sweep(args, device: torch.device, dtype: torch.dtype, names: List[str]) 
     acc = device.type != "cpu"
     values = [int(x) for x in (args.values or SWEEP_DEFAULT_VALUES[(args.sweep, "acc" if acc else "cpu")]).split(",")
               if x.strip()]
-    env = report.environment(device)
     print(f"compare_peers --sweep {args.sweep} {values} on {device}, torch {torch.__version__}, dtype {args.dtype}: "
           f"{_sizes(args, args.sweep)}; {rounds} timed rounds per point", flush=True)
     t0 = time.perf_counter()
     points: List[Dict[str, Any]] = []
     skipped: Dict[str, str] = {}
     errors: Dict[str, str] = {}
-    doc: Dict[str, Any] = {"kind": f"sweep_{args.sweep}", "environment": env, "dtype": args.dtype, "axis": args.sweep,
-                           "values": values, "batch": args.batch, "rounds": rounds, "points": points,
-                           "skipped": skipped, "errors": errors}
+    doc: Dict[str, Any] = {"kind": f"sweep_{args.sweep}", "environment": report.environment(device), "axis": args.sweep,
+                           "dtype": args.dtype, "values": values, "batch": args.batch, "rounds": rounds,
+                           "points": points, "skipped": skipped, "errors": errors}
     # One model is built for the largest value (GPT's init is slow on CPU): the layer sweep copies
     # its first N blocks, the seq sweep feeds it shorter sequences (positions and mask are sliced).
     big = GPT(_cfg(args, **{args.sweep: max(values)}), seed=args.seed)

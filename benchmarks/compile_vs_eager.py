@@ -1,9 +1,6 @@
-"""Step time and peak memory of each recipe eager and under ``torch.compile`` (default inductor backend), on the bench
-GPT: ``<recipe>`` and ``<recipe>+compile`` side by side on the benchmark harness, compiled in the warm-up, timed
-interleaved; whether the compiled losses stay within relative 1e-4 of the eager ones. Compiled peaks are reported on
-accelerators only: the CPU meter's dispatch mode cannot see inside compiled kernels.
-
-Run::
+"""Step time and peak memory of each recipe eager and under ``torch.compile`` (inductor) on the bench GPT, side by side
+on the benchmark harness; compiled losses within relative 1e-4 of the eager ones; compiled peaks on accelerators only
+(the CPU meter's dispatch mode cannot see inside compiled kernels). Run::
 
     python benchmarks/compile_vs_eager.py                       # CPU, small config (minutes: compiles 5 models)
     python benchmarks/compile_vs_eager.py --device cuda --dim 1024 --seq 1024 --layers 8
@@ -28,22 +25,14 @@ from hyper_parallel.core.activation_checkpoint import SwapManager  # noqa: E402
 DEFAULT_RECIPES = ["none", "ours_recompute", "ours_save", "ours_ckpt_swap", "ours_swap_wrapper"]
 
 
-def close(a: List[float], b: List[float]) -> bool:
-    """Every loss of ``b`` within relative 1e-4 of ``a``'s (the compiler reorders reductions)."""
-    return len(a) == len(b) and all(abs(x - y) <= 1e-4 * max(1.0, abs(x)) for x, y in zip(a, b))
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     ap = report.script_parser(__doc__, seed=0, threads=False)
-    ap.add_argument("--recipes", default=",".join(DEFAULT_RECIPES))
+    ap.add_argument("--recipes", default=None, help="comma-separated (default %s)" % ",".join(DEFAULT_RECIPES))
     for name, default in (("layers", 2), ("dim", 64), ("heads", 2), ("seq", 64), ("batch", 4), ("rounds", 8),
                           ("warmup", 2)):
         ap.add_argument(f"--{name}", type=int, default=default)
     args = ap.parse_args(argv)
-    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
-    bad = [n for n in names if n not in RECIPES]
-    if bad:
-        ap.error(f"unknown recipe(s) {', '.join(bad)}; choose from {', '.join(RECIPES)}")
+    names = report.variant_names(args.recipes, DEFAULT_RECIPES, RECIPES, ap)
     device, dtype = report.script_setup(args, ap)
     cfg = GPTConfig(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, dropout=0.0)
     run = harness.run_variants([k for n in names for k in (n, n + harness.COMPILED)], cfg, batch=args.batch,
@@ -57,7 +46,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if e is None or c is None:
             continue
         te, tc = harness.median(e.times), harness.median(c.times)
-        ok = close(e.losses, c.losses)
+        ok = len(e.losses) == len(c.losses) and all(  # within relative 1e-4: the compiler reorders reductions
+            abs(x - y) <= 1e-4 * max(1.0, abs(x)) for x, y in zip(e.losses, c.losses))
         rows.append([name, "%.2f" % (te * 1e3), "%.2f" % (tc * 1e3), "%.2f" % (tc / te), "%.2f" % (e.peak_bytes / MiB),
                      "n/a" if c.peak_bytes is None else "%.2f" % (c.peak_bytes / MiB), "yes" if ok else "NO"])
         doc["rows"][name] = {"eager_s": te, "compiled_s": tc, "ratio": ratio(tc, te), "eager_peak": e.peak_bytes,

@@ -1,20 +1,12 @@
 """The memory planner against every fixed recipe and PyTorch's eager sac_ilp, budget by budget.
 
-Models (``--models``, default all): the bench GPT (``gpt``), a post-LN transformer with ``nn.MultiheadAttention``
-(``postln``) and Hugging Face models built from small configs in code (no download), trained as their users run them
-(train mode, the config's defaults, the KV cache on, ``model(input_ids=..., labels=...).loss.backward()``): ``llama``,
-``mistral`` (sliding window), ``phi3`` (fused qkv and gate_up), ``qwen3``, ``qwen3_moe``, ``gemma2``, ``gemma3``,
-``gpt2`` and the encoder ``bert`` (masked-LM head, 15% of the tokens masked).
-
-For each model the planner profiles the step once (``step_fn``: forward + backward of one batch) and plans ``--budgets``
-budgets from its smallest reachable peak to the step's peak with nothing wrapped. Every plan, the fixed recipes
-(``FIXED``: on a Hugging Face model PyTorch's through its own ``activation_checkpointing_enable``, ours through
-``wrap_model``) and, with the ``sac`` extra, PyTorch's ``sac_ilp`` plan at each budget (``torch_sac_ilp.py``) train side
-by side on the benchmark harness. Per row: the measured peak of forward + backward (what a budget bounds) and the median
-forward + backward time; per plan also its budget and predictions. Checks per model: every peak within its budget; time
-non-increasing with the budget (3% noise) and within 1.03x of the fastest row that fits; at the no-checkpoint peak within
-1.03x of ``none``; predicted time within 10%, peak within 5%; losses and gradients bitwise equal to ``none``. The summary
-has one line per model: plans within budget, the worst prediction errors, the plan against the best fitting fixed recipe.
+Models (``--models``, default all): the bench GPT, a post-LN ``nn.MultiheadAttention`` transformer and Hugging Face
+models from small configs in code (no download), trained as their users run them (train mode, the config's defaults,
+``model(input_ids=..., labels=...).loss.backward()``): Llama, Mistral (sliding window), Phi-3 (fused qkv and gate_up),
+Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, GPT-2 and the encoder BERT (masked-LM head). Per model the planner profiles the step
+once and plans ``--budgets`` budgets from its smallest reachable peak to the unwrapped peak; every plan, the ``FIXED``
+recipes and PyTorch's ``sac_ilp`` plans (``torch_sac_ilp.py``) train side by side on the benchmark harness. The checks
+and the summary line of each model are printed after its table.
 
 Run::
 
@@ -69,8 +61,8 @@ def hf_model(family: str, layers: int, dim: int, seq: int, seed: int) -> nn.Modu
     import hyper_parallel.integrations.transformers  # noqa: F401  (hands HF layers our checkpoint)
 
     config_name, model_name, adds = HF_FAMILIES[family]
-    kwargs = {"vocab_size": VOCAB, "hidden_size": dim, "intermediate_size": int(2.75 * dim), "num_hidden_layers": layers,
-              "num_attention_heads": 4, "max_position_embeddings": seq}
+    kwargs = {"vocab_size": VOCAB, "hidden_size": dim, "intermediate_size": int(2.75 * dim), "num_attention_heads": 4,
+              "num_hidden_layers": layers, "max_position_embeddings": seq}
     for add in adds.split():
         kwargs.update({"gqa": {"num_key_value_heads": 2, "head_dim": dim // 4}, "window": {"sliding_window": seq // 2},
                        "moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": dim},
@@ -82,9 +74,8 @@ def hf_model(family: str, layers: int, dim: int, seq: int, seed: int) -> nn.Modu
 
 
 def hf_batch(masked: bool, batch: int, seq: int, seed: int, device: torch.device) -> Dict[str, torch.Tensor]:
-    """``input_ids`` and ``labels`` of ``batch`` random sequences: the labels are the inputs (a decoder shifts them
-    itself); ``masked`` (an encoder's masked-LM): 15% of the inputs replaced by the last token id (the mask), the
-    others' labels -100."""
+    """``input_ids`` and ``labels`` (the inputs: a decoder shifts them); ``masked`` (an encoder's masked-LM): 15% of the
+    inputs replaced by the last token id (the mask), the other labels -100."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB - 1, (batch, seq), generator=gen)
     if not masked:
@@ -101,11 +92,9 @@ def build(name: str, args, device: torch.device) -> Tuple[nn.Module, Callable[[i
     if name == "gpt":
         cfg = GPTConfig(layers=args.gpt_layers, dim=args.gpt_dim, heads=4, seq=args.seq, vocab=VOCAB, dropout=0.1)
         model: nn.Module = GPT(cfg, seed=args.seed)
-    elif name == "postln":
+    else:  # (main checked the names)
         cfg = PostLNConfig(layers=args.postln_layers, dim=args.postln_dim, heads=4, seq=args.seq, vocab=VOCAB)
         model = PostLNTransformer(cfg, seed=args.seed)
-    else:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     return model.to(device), lambda i: make_batch(cfg, args.batch, args.seed + i, device=device)
 
 
@@ -148,9 +137,8 @@ def plan_recipe(plan: MemoryPlan, name: str) -> Recipe:
 
 
 def sac_ilp_recipes(model: nn.Module, batches: Callable[[int], Any], budgets: List[int]) -> Dict[str, Recipe]:
-    """PyTorch's sac_ilp plan at each budget, as recipes, from one profile of the model (none without the ``sac``
-    extra). Its budget counts the model's parameters and buffers as the harness's meter does; a budget below its own
-    minimum is skipped with that minimum."""
+    """PyTorch's sac_ilp plan at each budget as recipes, from one profile (none without the ``sac`` extra); its budget
+    counts parameters and buffers as the harness's meter does; a budget below its minimum is skipped with it."""
     from torch_sac_ilp import SacIlpUnavailable, profile_sac_ilp, sac_ilp_recipe
 
     t0 = time.perf_counter()

@@ -1,11 +1,8 @@
 """Peak memory at every phase of one training step, swap against recompute and save_on_cpu, on the bench GPT and a
-post-LN ``nn.MultiheadAttention`` transformer (``hyper_parallel.bench.postln``). The rows (``MEMORY_VARIANTS``) on the
-benchmark harness: ``--warmup`` steps, then one metered step: the peak and the live bytes at the end of the forward, the
-backward and the optimizer step (parameters + buffers + what the step added). The lower bound is an estimate:
-parameters + buffers + gradients + the largest saved activations of one layer (of an unwrapped forward). Targets: at
-every phase the swap rows <= recompute; their step peak <= 1.15x save_on_cpu's.
-
-Run::
+post-LN ``nn.MultiheadAttention`` transformer: ``MEMORY_VARIANTS`` on the benchmark harness, one metered step each (peak
+and live bytes at the end of forward, backward and optimizer step). Lower bound (an estimate): parameters + buffers +
+gradients + one layer's largest saved activations. Targets: the swap rows <= recompute at every phase, their step peak
+<= 1.15x save_on_cpu's. Run::
 
     python benchmarks/swap_memory.py                        # both models, CPU defaults
     python benchmarks/swap_memory.py --models postln --postln-layers 16 --postln-dim 512
@@ -40,7 +37,7 @@ def _parser():
                     help="comma-separated recipes (default: %s; 'none' always runs)" % ",".join(MEMORY_VARIANTS))
     g = ap.add_argument_group("bench GPT (defaults: python -m hyper_parallel.bench's)")
     p = ap.add_argument_group("post-LN transformer")
-    for group, prefix, sizes, dropout in ((g, "gpt", (8, 128, 4, 256, 4), 0.1), (p, "postln", (16, 256, 4, 128, 4), 0.0)):
+    for group, prefix, sizes, dropout in ((g, "gpt", (8, 128, 4, 256, 4), .1), (p, "postln", (16, 256, 4, 128, 4), 0.)):
         for name, default in zip(("layers", "dim", "heads", "seq", "batch"), sizes):
             group.add_argument(f"--{prefix}-{name}", type=int, default=default)
         group.add_argument(f"--{prefix}-dropout", type=float, default=dropout)
@@ -100,9 +97,10 @@ def _print_model(name: str, cfg, batch: int, res: Dict[str, Any]) -> None:
     for n, r in rows.items():
         above = (r["peak_bytes"] - bound["lower_bound_bytes"]) / max(1, bound["layer_saved_bytes"])
         eq = "baseline" if n == "none" else {True: "yes", False: "NO", None: "-"}[r["loss_equal_to_none"]]
-        table.append([n] + ["%.1f" % (r["phases"][p][k] / MiB) for p, k in PHASE_COLUMNS]
-                     + ["%.1f" % (r["peak_bytes"] / MiB), fmt(ratio(r["peak_bytes"], rec and rec["peak_bytes"]), "%.2fx"),
-                        fmt(ratio(r["peak_bytes"], soc and soc["peak_bytes"]), "%.2fx"), "%.2f" % above, eq])
+        sizes = [r["phases"][p][k] for p, k in PHASE_COLUMNS] + [r["peak_bytes"]]
+        table.append([n] + ["%.1f" % (x / MiB) for x in sizes]
+                     + [fmt(ratio(r["peak_bytes"], other and other["peak_bytes"]), "%.2fx") for other in (rec, soc)]
+                     + ["%.2f" % above, eq])
     print(report.table(header, table, align="l" + "r" * (len(header) - 1)))
     print(report.legend([(n, RECIPES[n].what) for n in rows]))
     print(f"lower bound (estimate) {bound['lower_bound_bytes'] / MiB:.1f} MiB = params+buffers "

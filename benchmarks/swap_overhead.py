@@ -1,14 +1,9 @@
-"""Per-tensor overhead of swapping, on a model of many small ops (``SmallOpsNet``: ``--blocks`` residual blocks
-``x + fc2(gelu(fc1(norm(x))))``, where a block's saved tensors are tiny and the cost per saved tensor dominates).
-
-The rows (``OVERHEAD_VARIANTS``) on the benchmark harness, weights fixed (lr 0), forward + backward timed interleaved,
-medians; the peers doing what ours do on a CPU: ``copy_hooks`` (every saved tensor copied out and back:
-``save_on_cpu``'s work; against ``ours_swap_wrapper``) and ``torch_sac_copy`` (PyTorch's selective checkpoint whose
-cached matmul outputs and block input are copied out and back; against ``ours_ckpt_swap``; PyTorch's early stop never
-takes back a block's last cached output, hence fewer bytes back than out). The columns are explained where printed;
-``py calls`` / ``C calls`` (``harness.counting_calls``) are the interpreter's work, which a busy machine does not blur.
-Pairs: each of ours against its ``Recipe.counterparts``. Targets: ``ours_swap_wrapper <= 1.5x copy_hooks``,
-``ours_ckpt_swap <= 1.25x torch_sac_copy``.
+"""Per-tensor overhead of swapping, on ``SmallOpsNet`` (``--blocks`` blocks ``x + fc2(gelu(fc1(norm(x))))``, whose
+saved tensors are tiny: the cost per saved tensor dominates). The rows (``OVERHEAD_VARIANTS``) on the benchmark harness,
+weights fixed (lr 0), forward + backward timed interleaved; the peers doing what ours do on a CPU: ``copy_hooks``
+(``save_on_cpu``'s copies; against ``ours_swap_wrapper``) and ``torch_sac_copy`` (PyTorch's selective checkpoint with
+its cache copied out and back; against ``ours_ckpt_swap``). Pairs: each of ours against its counterparts. Targets:
+``ours_swap_wrapper <= 1.5x copy_hooks``, ``ours_ckpt_swap <= 1.25x torch_sac_copy``.
 
 Run::
 
@@ -89,23 +84,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             r["calls"]["python"], r["calls"]["builtin"], "yes" if r["grads_equal_to_none"] else "NO"]
          for n, r in rows.items()], align="ll" + "r" * 13))
     print(report.legend([(n, r["description"]) for n, r in rows.items()]))
-    print("fwd ms / bwd ms = medians of the forward and of the backward part of the timed steps; us/block = (median - "
-          "none's median) / blocks; tensors out = what a peer's hooks copied out per step; loads = our host-to-device "
-          "load launches per step (SwapManager().stats(); one per storage, or per bucket: set_bucket_bytes)")
-    print("py calls / C calls = calls of Python functions / of C functions (named tensor functions and methods "
-          "included) in the forward + backward of one untimed step (sys.setprofile): the interpreter work, independent "
-          "of how busy the machine is")
+    print("fwd / bwd ms: the medians of the two parts of the timed step; us/block: (median - none's) / blocks; "
+          "tensors out: by a peer's hooks; loads: our load launches; py / C calls: in one untimed forward + backward")
     found = pairs(rows, args.blocks)
     print(report.table(
         ["ours", "peer", "ratio", "target", "", "ratio of min", "overhead us/block", "calls ratio"],
         [[p["ours"], p["peer"], fmt(p["ratio"], "%.2fx"), fmt(p["target"], "<= %.2fx"),
           {True: "met", False: "NOT MET", None: ""}[p["met"]], fmt(p["ratio_of_min"], "%.2fx"),
           fmt(p["us_per_block"], "%.1f"), fmt(p["calls_ratio"], "%.2fx")] for p in found], align="llrrlrrr"))
-    print("ratio = of the medians (the target's); ratio of min = of the fastest steps (less sensitive to a busy "
-          "machine); overhead us/block = (ours' median - peer's median) / blocks; calls ratio = ours' calls per step "
-          "/ peer's (Python + C)")
-    print("note: on CPU every copy is a synchronous memcpy with no copy engine to overlap it, so these times measure "
-          "the per-tensor bookkeeping and the copies themselves, not what a GPU would hide")
+    print("ratio: of the medians (the target's), of the fastest steps; calls ratio: Python + C calls per step. "
+          + report.CPU_TIMING_NOTE)
     errors = {**run.skipped, **run.errors}
     for n, why in errors.items():
         print(f"FAILED {n}: {why}")

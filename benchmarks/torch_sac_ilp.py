@@ -1,32 +1,22 @@
-"""PyTorch's eager ``sac_ilp`` planner as a peer of ``benchmarks/planner.py``: its plan at a budget, applied the way
-PyTorch intends, as a recipe of the benchmark harness (needs the ``sac`` extra: ``pip install -e '.[sac]'``, pulp and
-pwlf).
+"""PyTorch's eager ``sac_ilp`` planner as a peer of ``benchmarks/planner.py`` (the ``sac`` extra: pulp, pwlf).
 
-PyTorch's pipeline (``torch.distributed._tools``): ``MemTracker``, ``RuntimeEstimator`` and ``SACEstimator`` measure
-memory and time per module and per op; ``ilp_utils`` builds the module tree (each module's recompute-time vs
-discarded-memory trade-off fitted with ``pwlf``); ``sac_milp`` chooses which modules to checkpoint and what fraction of
-their activation memory to discard under a budget, and a knapsack per module turns that fraction into a save/recompute
-decision per op. :func:`profile_sac_ilp` runs the estimators once on a fake copy of the model (as PyTorch's test does);
-``profile.plan(budget)`` solves one budget; ``plan.apply(model)`` wraps the chosen modules with PyTorch's
-``checkpoint_wrapper`` (whole, or selective with :class:`SacIlpPolicy`); :func:`sac_ilp_recipe` is a plan as a recipe.
-On a CPU, where neither estimate mode of PyTorch runs (CUDA events; a GPU's roofline), the benchmark mode runs on the
-CPU clock: each op for real on random inputs like its fake ones, 2 warm-up and 3 timed runs.
+PyTorch's pipeline (``torch.distributed._tools``): estimators measure memory and time per module and op, ``ilp_utils``
+fits each module's recompute-time vs discarded-memory trade-off with ``pwlf``, ``sac_milp`` chooses the modules to
+checkpoint and the share of their memory to discard under a budget, a knapsack per module the ops to recompute.
+:func:`profile_sac_ilp` runs the estimators once on a fake copy of the model (on a CPU the benchmark mode on the CPU
+clock: neither of PyTorch's estimate modes runs there); ``profile.plan(budget)`` solves one budget;
+``plan.apply(model)`` wraps the chosen modules with PyTorch's ``checkpoint_wrapper``; :func:`sac_ilp_recipe` is a plan
+as a recipe.
 
-The budget is the absolute peak of one step as the harness meters it. ``sac_milp``'s (in GiB) bounds its own estimate,
-which leaves out buffers and the batch: it is given ``budget - outside`` (``outside = baseline - parameters``;
-``baseline``, what the meter counts live at the step's start, by default parameters + buffers + batch) and its peak is
-reported as ``its peak + outside``. So that every plan trains bit-exact, a tensor an in-place op mutates later is
-recomputed rather than cached (:func:`_recompute_mutated`), the policy realigns where the real forward skips ops the
-fake one recorded (``plan.op_match``), and a Hugging Face model's KV cache is off (``config.use_cache``, as Hugging
-Face's own checkpointing does in training: a recompute cannot append to it twice).
-
-Example::
+The budget is the absolute peak of one step as the harness meters it; ``sac_milp``'s estimate leaves out buffers and the
+batch, so it is given ``budget - outside`` (``outside = baseline - parameters``) and its peak reported plus ``outside``.
+So that every plan trains bit-exact, a tensor an in-place op mutates later is recomputed rather than cached, the policy
+realigns where the real forward skips ops the fake one recorded, and a Hugging Face model's KV cache is off (as Hugging
+Face's own checkpointing does in training). Example::
 
     from hyper_parallel.bench.model import GPT, GPTConfig, make_batch
     cfg = GPTConfig(layers=8, dim=128, heads=4, seq=256, vocab=512)
-    model, batch = GPT(cfg), make_batch(cfg, 4, seed=0)
-    plan = profile_sac_ilp(model, batch).plan("100MiB")      # the estimators once, sac_milp per budget
-    print(plan.report())
+    print(profile_sac_ilp(GPT(cfg), make_batch(cfg, 4, seed=0)).plan("100MiB").report())
 """
 
 from __future__ import annotations
@@ -97,18 +87,21 @@ def sac_ilp_available() -> Tuple[bool, str]:
     return True, ""
 
 
+class _Collect(logging.Handler):
+    def __init__(self, into: Optional[List[str]]) -> None:
+        super().__init__(logging.WARNING)
+        self.into = into if into is not None else []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record.getMessage())
+
+
 @contextlib.contextmanager
 def _quiet(into: Optional[List[str]] = None) -> Iterator[None]:
     """Collect what sac_ilp's logger says into ``into`` (not stderr), and silence pulp 3.3's deprecations of how
     PyTorch's sac_ilp builds and solves its models (not ours to fix)."""
     logger = logging.getLogger("torch.distributed._tools.sac_ilp")
-
-    class _Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if into is not None:
-                into.append(record.getMessage())
-
-    handler, propagate = _Collect(logging.WARNING), logger.propagate
+    handler, propagate = _Collect(into), logger.propagate
     logger.addHandler(handler)
     logger.propagate = False
     try:
@@ -171,11 +164,9 @@ class ModuleDecision:
     recomputed_bytes: int = 0
 
     def describe(self) -> str:
-        if self.whole:
-            return f"checkpoint (whole module), discard {self.discard:.4f}"
-        saved = sorted({n for n, s in zip(self.func_names, self.save) if s})
-        return (f"selective checkpoint, discard {self.discard:.4f}: saves {sum(self.save)} of {len(self.save)} "
-                f"ops ({self.kept_fraction:.1%} of their bytes): {', '.join(saved) or '-'}")
+        saved = ", ".join(sorted({n for n, s in zip(self.func_names, self.save) if s})) or "-"
+        return (f"discard {self.discard:.4f}: " + ("whole-module checkpoint" if self.whole else f"selective, saves "
+                f"{sum(self.save)} of {len(self.save)} ops ({self.kept_fraction:.1%} of their bytes): {saved}"))
 
 
 @dataclass
@@ -189,11 +180,9 @@ class OpMatch:
 
 
 class SacIlpPolicy:
-    """A selective-checkpoint ``policy_fn`` replaying one module's decisions: the n-th op of its forward (``skip`` ops
-    not counted, as by the SAC estimator) is ``PREFER_SAVE`` when ``save[n]``, else ``MUST_RECOMPUTE``; an op found
-    among the next ``window`` recorded ones moves the count there, one not found is recomputed; a random op takes
-    ``random_save`` (all saved or all recomputed, or a recompute would draw other numbers). One instance per
-    checkpointed forward."""
+    """A selective-checkpoint ``policy_fn`` replaying one module's decisions by position: the n-th op of its forward
+    (``skip`` ops not counted) is ``PREFER_SAVE`` when ``save[n]``, else ``MUST_RECOMPUTE``; an op found among the next
+    ``window`` recorded ones moves the count there, one not found is recomputed; random ops take ``random_save``."""
 
     def __init__(self, func_names: Sequence[str], save: Sequence[int], skip: Any,
                  match: Optional[OpMatch] = None, random_save: Optional[int] = None, window: int = 32) -> None:
@@ -225,10 +214,9 @@ class SacIlpPolicy:
 
 def _recompute_mutated(stats: Any, meta: Any, save: Sequence[int]) -> Tuple[List[int], int, bool]:
     """Decisions ``create_selective_checkpoint_contexts`` can apply: sac_ilp may save an op and the in-place op mutating
-    its output, and PyTorch's cache then refuses the mutated entry (dropout's ``empty_like().bernoulli_()``); such a
-    group is recomputed (bit-exact), with every random op of the module when it holds one, unless the module must store
-    its random ops (then mutation is allowed). Returns the decisions, how many became recomputed, and whether to allow
-    mutation."""
+    its output (dropout's ``empty_like().bernoulli_()``), a mutated cache entry PyTorch refuses: such a group is
+    recomputed (bit-exact), with every random op of the module when it holds one, unless the module must store its
+    random ops (then mutation is allowed). Returns the decisions, how many became recomputed, whether to allow it."""
     save = list(save)
     parent_of, rand = dict(stats.inplace_ops), set(stats.rand_ops)
     groups = [set(g) for h, g in meta.inplace_op_groups.items() if h not in parent_of and len(g) > 1]
@@ -249,26 +237,6 @@ def _recompute_mutated(stats: Any, meta: Any, save: Sequence[int]) -> Tuple[List
     return [0 if i in drop else s for i, s in enumerate(save)], forced, False
 
 
-def _greedy_policy(stats: Any, meta: Any, keep_fraction: float) -> List[int]:
-    """Recompute in the SAC estimator's greedy order (what it always recomputes, then by memory per recompute time, with
-    in-place and random groups) until at most ``keep_fraction`` of the op memory is kept; what it always stores stays.
-    """
-    def group(i: int) -> set:
-        return {i} | set(meta.inplace_op_groups.get(i, ())) | set(meta.random_ops_group.get(i, ()))
-
-    total = sum(stats.memory)
-    stored = set().union(*(group(i) for i in meta.stored_ops))
-    recompute = set().union(*(group(i) for i in meta.recomputed_ops)) - stored
-    kept = total - sum(stats.memory[i] for i in recompute)
-    for cand in meta.msps_meta:
-        if kept <= keep_fraction * total:
-            break
-        new = group(cand.op_idx) - recompute - stored
-        recompute |= new
-        kept -= sum(stats.memory[i] for i in new)
-    return [0 if i in recompute else 1 for i in range(len(stats.memory))]
-
-
 @dataclass
 class SacIlpProfile:
     """The estimators' view of one model and batch: ``sac_milp``'s module tree and the SAC statistics per module (names
@@ -277,7 +245,7 @@ class SacIlpProfile:
     graph: Any
     root: str
     sac_stats: Dict[str, Any]
-    greedy: Dict[str, Any]
+    order_meta: Dict[str, Any]       # the SAC estimator's greedy-order metadata (in-place and random op groups)
     units: List[str]                 # the modules sac_milp may checkpoint
     estimate_mode: str
     param_bytes: int                 # sac_ilp's parameter bytes (graph node 0)
@@ -316,13 +284,9 @@ class SacIlpProfile:
             self._min_bytes = int(math.ceil(hi))
         return self._min_bytes + self.outside_bytes(baseline_bytes)
 
-    def plan(self, budget: Union[int, str], *, baseline_bytes: Optional[int] = None,
-             per_module: str = "optimal") -> "SacIlpPlan":
-        """``sac_milp`` at ``budget`` (bytes, or e.g. ``"150MiB"``) and each chosen module's decisions (``per_module``:
-        ``optimal``, PyTorch's knapsack per module, or ``greedy``, the SAC estimator's recompute order).
-        :class:`SacIlpInfeasible` when it finds none."""
-        if per_module not in ("optimal", "greedy"):
-            raise ValueError(f"per_module must be 'optimal' or 'greedy', got {per_module!r}")
+    def plan(self, budget: Union[int, str], *, baseline_bytes: Optional[int] = None) -> "SacIlpPlan":
+        """``sac_milp`` at ``budget`` (bytes, or e.g. ``"150MiB"``) and, per chosen module, PyTorch's knapsack of which
+        ops to recompute. :class:`SacIlpInfeasible` when it finds none."""
         budget_bytes, outside = parse_budget(budget), self.outside_bytes(baseline_bytes)
         log: List[str] = []
         t0 = time.perf_counter()
@@ -336,23 +300,21 @@ class SacIlpProfile:
                 f"(buffers, batch); its own minimum is {minimum} B ({format_bytes(minimum)}), parameters "
                 f"{format_bytes(self.param_bytes)}, its no-checkpoint peak "
                 f"{format_bytes(self.no_checkpoint_peak_bytes(baseline_bytes))}", budget_bytes, minimum)
-        chosen = [self._decide(name[len(self.root) + 1:], ratio, per_module, log)
+        chosen = [self._decide(name[len(self.root) + 1:], ratio, log)
                   for name, ratio in sorted(decisions.items())]
         return SacIlpPlan(budget_bytes, outside, (budget_bytes - outside) / _GiB, int(peak), int(peak) + outside,
-                          float(recompute_ms), chosen, per_module, self, dict(self.timings_s, milp=solve_s), log)
+                          float(recompute_ms), chosen, self, dict(self.timings_s, milp=solve_s), log)
 
-    def _decide(self, name: str, ratio: float, per_module: str, log: List[str]) -> ModuleDecision:
-        stats, meta = self.sac_stats[name], self.greedy[name]
+    def _decide(self, name: str, ratio: float, log: List[str]) -> ModuleDecision:
+        stats, meta = self.sac_stats[name], self.order_meta[name]
         total = sum(stats.memory)
         if ratio >= _WHOLE:
             return ModuleDecision(name, ratio, whole=True, recomputed_bytes=total)
-        save: List[int] = []
-        if per_module == "optimal":
-            with _quiet(log):
-                save = _tools()["sac_ilp"].get_optimal_checkpointing_policy_per_module(stats, memory_budget=1 - ratio)
-            if not save:
-                log.append(f"{name}: the per-module knapsack found no policy at {1 - ratio:.4f}; greedy order used")
-        save, forced, mutable = _recompute_mutated(stats, meta, save or _greedy_policy(stats, meta, 1.0 - ratio))
+        with _quiet(log):
+            save = _tools()["sac_ilp"].get_optimal_checkpointing_policy_per_module(stats, memory_budget=1 - ratio)
+        if not save:
+            log.append(f"{name}: the per-module knapsack found no policy at {1 - ratio:.4f}; every op recomputed")
+        save, forced, mutable = _recompute_mutated(stats, meta, save or [0] * len(stats.memory))
         if forced:
             log.append(f"{name}: {forced} ops recomputed against the per-module choice: they make a tensor that "
                        "an in-place op mutates later, which PyTorch's selective checkpoint cannot keep cached")
@@ -373,7 +335,6 @@ class SacIlpPlan:
     predicted_peak_bytes: int
     recompute_ms: float
     modules: List[ModuleDecision]
-    per_module: str
     profile: SacIlpProfile
     timings_s: Dict[str, float]
     notes: List[str] = field(default_factory=list)
@@ -400,7 +361,7 @@ class SacIlpPlan:
             policy = SacIlpPolicy(m.func_names, m.save, self.profile.skip, self.op_match, m.random_save)
             return create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=m.allow_cache_entry_mutation)
 
-        targets = []
+        targets = []  # (all checked before any is wrapped: a chosen module inside another chosen one is found too)
         for m in self.modules:
             try:
                 module = model.get_submodule(m.name)
@@ -435,14 +396,11 @@ class SacIlpPlan:
 
 
 def profile_sac_ilp(model: nn.Module, batch: Any, *, estimate_mode: str = "operator-level-benchmark") -> SacIlpProfile:
-    """Run PyTorch's estimators on one step ``forward_loss(model, batch).backward()`` (``batch``: a tuple of arguments, a
-    dict of keyword arguments, or a callable returning one) on a fake copy of ``model`` (the model, its gradients and the
-    RNG are left as they were) and return the profile; ``sac_milp`` may checkpoint every module with sub-modules below
-    the root. :class:`SacIlpUnavailable` with the reason where it cannot run."""
+    """Run PyTorch's estimators on one step ``forward_loss(model, batch).backward()`` (``batch``: a tuple of arguments,
+    a dict of keyword arguments, or a callable returning one) on a fake copy of ``model`` (the model, its gradients and
+    the RNG are left as they were) and return the profile; ``sac_milp`` may checkpoint every module with sub-modules
+    below the root. :class:`SacIlpUnavailable` with the reason where it cannot run."""
     tools = _tools()
-    if estimate_mode not in ("operator-level-benchmark", "operator-level-cost-model"):
-        raise ValueError(f"estimate_mode must be PyTorch's 'operator-level-benchmark' or "
-                         f"'operator-level-cost-model', got {estimate_mode!r}")
     device = next(iter(list(model.parameters()) + list(model.buffers())), torch.empty(0)).device
     cpu = device.type == "cpu"
     if cpu and estimate_mode != "operator-level-benchmark":
@@ -526,19 +484,17 @@ def profile_sac_ilp(model: nn.Module, batch: Any, *, estimate_mode: str = "opera
 
 
 def sac_ilp_recipe(budget: Union[int, str], batch: Any, *, profile: Optional[SacIlpProfile] = None,
-                   name: str = "torch_sac_ilp", baseline_bytes: Optional[int] = None, per_module: str = "optimal",
-                   **profile_kwargs: Any) -> Recipe:
-    """A recipe (``who="peer"``) for PyTorch's sac_ilp at ``budget``: its ``apply`` profiles the first model it is given
-    (or uses ``profile``), plans once, and wraps every model it is given with that plan; it raises
-    :class:`SacIlpUnavailable` (a ``RuntimeError``: the recipes' "cannot run here") with the reason.
-    ``recipe.apply.plan()`` gives the plan once made."""
+                   name: str = "torch_sac_ilp", baseline_bytes: Optional[int] = None) -> Recipe:
+    """A recipe (``who="peer"``) for PyTorch's sac_ilp at ``budget``: ``apply`` profiles the first model (or uses
+    ``profile``), plans once and wraps every model it is given; :class:`SacIlpUnavailable` (a ``RuntimeError``, the
+    recipes' "cannot run here") with the reason. ``recipe.apply.plan()`` gives the plan once made."""
     budget_bytes = parse_budget(budget)
     state: Dict[str, Any] = {"profile": profile, "plan": None}
 
     def apply(model: nn.Module, device: Any, threshold: Any) -> None:
         if state["plan"] is None:
-            state["profile"] = state["profile"] or profile_sac_ilp(model, batch, **profile_kwargs)
-            state["plan"] = state["profile"].plan(budget_bytes, baseline_bytes=baseline_bytes, per_module=per_module)
+            state["profile"] = state["profile"] or profile_sac_ilp(model, batch)
+            state["plan"] = state["profile"].plan(budget_bytes, baseline_bytes=baseline_bytes)
         state["plan"].apply(model)
 
     apply.plan = lambda: state["plan"]  # type: ignore[attr-defined]

@@ -20,7 +20,6 @@ from hyper_parallel.bench.modes import (
     MODES,
     PEER_VARIANTS,
     RECIPES,
-    RECOMPUTE_VS_TORCH,
     SWAP_WRAPPER_MODES,
     SWAP_WRAPPER_RECIPES,
     apply_mode,
@@ -269,7 +268,7 @@ def test_legend_and_reading():
 
 def test_every_suite_names_recipes():
     assert set(MODE_RECIPES) == set(MODES) and set(SWAP_WRAPPER_RECIPES) == set(SWAP_WRAPPER_MODES)
-    for suite in (MODE_RECIPES, SWAP_WRAPPER_RECIPES, RECOMPUTE_VS_TORCH):
+    for suite in (MODE_RECIPES, SWAP_WRAPPER_RECIPES):
         assert set(suite.values()) <= set(RECIPES)
     assert set(PEER_VARIANTS) <= set(RECIPES) and PEER_VARIANTS[0] == "none"
     assert MODE_RECIPES["swap"] == "ours_ckpt_swap"  # the same recipe in the bench and compare_peers

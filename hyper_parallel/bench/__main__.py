@@ -1,22 +1,14 @@
 """Mode comparison bench: ``python -m hyper_parallel.bench``.
 
-Trains the bench GPT (``hyper_parallel.bench.model``) for a few steps of the benchmark harness
-(``hyper_parallel.bench.harness``) under each activation-memory mode (``hyper_parallel.bench.modes``), every mode in its
-own subprocess so that its peak memory is measured from a clean process, and prints one table: peak device memory, bytes
-offloaded, step time, and whether every step's loss equals the ``none`` baseline (bitwise on CPU, within 1e-5
-elsewhere).
-
-Examples::
+Trains the bench GPT a few steps of the benchmark harness under each mode of ``hyper_parallel.bench.modes``, every mode
+in its own subprocess (its peak from a clean process), and prints one table: peak memory, bytes offloaded, step time,
+and whether every loss equals the ``none`` baseline's (bitwise on CPU, within 1e-5 elsewhere). Every option is checked
+before any mode runs: a bad one exits 2 with the reason. Exit status: 0; 1 a worker failed; 2 losses differ; 3 (with
+``--strict``) an expected memory ordering (none > save > recompute, swap ~ recompute) does not hold. Examples::
 
     python -m hyper_parallel.bench                       # the 7 checkpoint_wrapper modes
     python -m hyper_parallel.bench --swap-wrapper        # none / swap / swap_with_policy
     python -m hyper_parallel.bench --budget 40MiB        # and a memory plan beside them
-    python -m hyper_parallel.bench --modes none,swap --device cuda --json out.json --plot out.png
-
-Every option is checked before any mode runs (the device, ``--plot``'s matplotlib, the sizes, the output folders): a bad
-one exits 2 at once, with the reason. Exit status: 0 when every mode ran and matched the baseline, 1 when a worker
-failed, 2 when a mode's losses differ from the baseline, 3 (only with ``--strict``) when an expected peak-memory
-ordering (none > save > recompute, swap ~ recompute) does not hold.
 """
 
 from __future__ import annotations
@@ -183,7 +175,7 @@ def run_mode(args, mode: str) -> Dict[str, Any]:
     result = json.loads(lines[-1][len(_RESULT_TAG):]) if rc == 0 and lines else None
     wall = time.perf_counter() - t0
     if result is None:
-        reason = f"timed out after {args.timeout:.0f}s" if rc is None else f"exit status {rc}" if rc else "no result line"
+        reason = f"timed out after {args.timeout:.0f}s" if rc is None else f"exit status {rc}" if rc else "no result"
         return {"mode": mode, "error": reason, "returncode": rc, "stderr": stderr, "stdout": stdout, "wall_s": wall}
     return {**result, "wall_s": wall, **({"stderr": stderr} if stderr.strip() else {})}
 
@@ -211,9 +203,7 @@ def memory_checks(results: List[Dict[str, Any]], swap_wrapper: bool) -> List[Dic
 
 def _label(mode: str) -> str:
     """A row's name: the mode, or ``plan@<budget in MiB>``."""
-    if mode.startswith(PLAN_PREFIX):
-        return f"{PLAN_PREFIX}{int(mode[len(PLAN_PREFIX):]) / MiB:.1f}MiB"
-    return mode
+    return f"{PLAN_PREFIX}{int(mode[len(PLAN_PREFIX):]) / MiB:.1f}MiB" if mode.startswith(PLAN_PREFIX) else mode
 
 
 def format_swap_stats(results: List[Dict[str, Any]], exact: bool) -> List[str]:
@@ -234,8 +224,7 @@ def format_swap_stats(results: List[Dict[str, Any]], exact: bool) -> List[str]:
 
 def format_plans(results: List[Dict[str, Any]]) -> List[str]:
     """What each plan row predicted against what it measured, and (one plan) its report."""
-    plans = [r for r in results if r["mode"].startswith(PLAN_PREFIX) and "error" not in r]
-    lines = []
+    plans, lines = [r for r in results if r["mode"].startswith(PLAN_PREFIX) and "error" not in r], []
     for r in plans:
         lines.append(f"{_label(r['mode'])}: budget {r['budget_bytes'] / MiB:.1f} MiB, measured peak "
                      f"{r['peak_bytes'] / MiB:.1f} MiB ({'OVER' if r['peak_bytes'] > r['budget_bytes'] else 'within'}; "
@@ -256,13 +245,12 @@ def format_table(results: List[Dict[str, Any]]) -> str:
         if "error" in r:
             rows.append([_label(r["mode"]), "-", "-", "-", "-", "FAILED: " + r["error"], "-"])
             continue
-        match = r.get("matches_baseline")
-        losses = ["%.5f" % v for v in r["losses"]]
+        losses, steps = ["%.5f" % v for v in r["losses"]], max(1, len(r["losses"]))
         rows.append([_label(r["mode"]), "%.1f" % (r["peak_bytes"] / MiB),
                      report.fmt(report.ratio(r["peak_bytes"], base and base["peak_bytes"]), "%.2fx"),
-                     "%.1f" % (r["offloaded_bytes"] / MiB / max(1, len(r["losses"]))), "%.0f" % (r["step_time_s"] * 1e3),
+                     "%.1f" % (r["offloaded_bytes"] / MiB / steps), "%.0f" % (r["step_time_s"] * 1e3),
                      " ".join(losses if len(losses) <= 5 else losses[:2] + ["..."] + losses[-2:]),
-                     "baseline" if r["mode"] == "none" else {True: "yes", False: "NO", None: "-"}[match]])
+                     "baseline" if r["mode"] == "none" else {True: "yes", False: "NO"}.get(r["matches_baseline"], "-")])
     return report.table(["mode", "peak MiB", "vs none", "offloaded MiB/step", "step ms", "losses", "matches none"],
                         rows, align="lrrrrll")
 
@@ -326,12 +314,11 @@ def run_comparison(args, parser) -> int:
     t_start = time.perf_counter()
     results: List[Dict[str, Any]] = []
     for i, mode in enumerate(modes):
-        if not args.no_progress:
-            print(f"[{i + 1}/{len(modes)}] {mode} ...", end="", file=sys.stderr, flush=True)
         results.append(run_mode(args, mode))
         if not args.no_progress:
             r = results[-1]
-            print(f" {'FAILED (' + r['error'] + ')' if 'error' in r else 'done'} in {r['wall_s']:.1f}s", file=sys.stderr)
+            print(f"[{i + 1}/{len(modes)}] {mode}: {'FAILED (%s)' % r['error'] if 'error' in r else 'done'} in "
+                  f"{r['wall_s']:.1f}s", file=sys.stderr)
     total = time.perf_counter() - t_start
 
     base = results[0] if results[0]["mode"] == "none" and "error" not in results[0] else None

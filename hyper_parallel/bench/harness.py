@@ -1,19 +1,13 @@
 """The one benchmark harness: build a variant of a model, train it a step, meter it, time it.
 
-Every benchmark trains through :func:`train_step`: ``python -m hyper_parallel.bench`` (one variant per process,
-:func:`hyper_parallel.bench.model.train_steps`) and every script of ``benchmarks/`` (:func:`run_variants`: variants side
-by side in one process). A variant is a recipe of :mod:`hyper_parallel.bench.modes` applied to a copy of a model, with
-its own optimizer: SGD without momentum, which keeps no state, so that what a variant holds is parameters, gradients and
-activations (what recompute and swap change) and the copies of every variant fit in one process.
-
-* **Step**: the RNG seeded (dropout alike in every variant), gradients dropped, forward + backward timed (:func:`timed`),
-  the optimizer step after it. A model takes its batch (a tuple: positional arguments; a dict: keyword arguments, as
-  Hugging Face models take ``input_ids`` and ``labels``) and returns the loss, or an output whose ``.loss`` it is.
-* **Memory**: one ``MemoryMeter`` (the allocator's counters; on CPU live storages, host copies excluded) split by
-  ``reset_peak``: each phase's peak and end (forward, backward, optimizer step), as the variant's parameters and
-  buffers plus what the step added.
-* **Time**: interleaved rounds (the order reversed every other round), medians; :class:`counting_calls` counts calls.
-* **Bytes moved**: ours from ``SwapManager().stats()``, the peers' from their recipes' counters.
+Every benchmark trains through :func:`train_step`: ``python -m hyper_parallel.bench`` (one variant per process, through
+``model.train_steps``) and every script of ``benchmarks/`` (:func:`run_variants`, variants side by side). A variant is
+a recipe of ``bench.modes`` applied to a copy of a model, with the one optimizer: SGD without momentum, which keeps no
+state (a variant holds parameters, gradients and activations, what recompute and swap change, and every variant's copy
+fits in one process). A step seeds the RNG, times forward + backward (:func:`timed`), then steps the optimizer; a batch
+is a tuple (positional arguments) or a dict (keyword arguments, as Hugging Face models take ``input_ids`` and
+``labels``), the model returns the loss or an output with ``.loss``. Memory: one ``MemoryMeter`` split into forward,
+backward and optimizer step by ``reset_peak``. Bytes moved: ours from ``SwapManager().stats()``, the peers' counted.
 """
 
 from __future__ import annotations
@@ -36,7 +30,6 @@ from hyper_parallel.core.activation_checkpoint import SwapManager
 from hyper_parallel.tools.clock import no_gc, step_clock
 from hyper_parallel.tools.memory import MemoryMeter
 
-
 #: The phases of a metered step, in order.
 PHASES = ("forward", "backward", "optimizer")
 #: A variant name ending in this is its recipe's model under ``torch.compile`` (compile_vs_eager.py).
@@ -54,13 +47,11 @@ def synchronize(device: Any = None) -> None:
 
 @contextlib.contextmanager
 def timed(device: Any) -> Iterator[Callable[[], float]]:
-    """Time a region: yields ``elapsed()``, the seconds since it began on the step clock
-    (``hyper_parallel.tools.clock``), the device synchronised first, the garbage collector paused inside (synchronise
-    before the last reading to time the device's work). Example::
+    """Time a region: yields ``elapsed()``, the seconds since it began on the step clock (``tools.clock``), the device
+    synchronised first, the garbage collector paused inside (synchronise before the last reading). Example::
 
         >>> with timed("cpu") as elapsed:
-        ...     _ = sum(range(1000))
-        >>> elapsed() >= 0
+        ...     elapsed() >= 0
         True
     """
     now = step_clock(device if device is not None else "cpu")
@@ -82,11 +73,9 @@ def median(times: Sequence[float]) -> Optional[float]:
 
 
 class counting_calls:
-    """Count the calls the interpreter makes inside, on this thread (``sys.setprofile``): ``python`` functions and
-    ``builtin`` (C) ones, torch's named functions and methods included (operators such as ``a + b`` go through C slots,
-    unseen); unlike a time, a busy machine does not change it. Hooks autograd calls from another thread are not seen
-    (``set_multithreading_enabled(False)``). A class, so that leaving adds exactly one call of each kind, taken off; a
-    profiler installed before gets its hook back. Example::
+    """Count the calls the interpreter makes inside, on this thread: ``python`` functions and ``builtin`` (C) ones (not
+    operators such as ``a + b``); a busy machine does not change them. A class, so that leaving adds exactly one call of
+    each kind, taken off; a profiler installed before gets its hook back. Example::
 
         >>> with counting_calls() as calls:
         ...     _ = sorted([3, 1, 2])
@@ -452,6 +441,4 @@ def released_caches(device: torch.device) -> Iterator[None]:
         if device.type != "cpu":
             synchronize(device)
             torch.get_device_module(device.type).empty_cache()
-            host_empty = getattr(torch._C, "_host_emptyCache", None)
-            if host_empty is not None:
-                host_empty()
+            getattr(torch._C, "_host_emptyCache", lambda: None)()  # (pinned host memory)

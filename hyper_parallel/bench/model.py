@@ -183,19 +183,12 @@ def make_batch(cfg: GPTConfig, batch: int, seed: int, device: Any = "cpu"):
 def train_steps(model: nn.Module, steps: int, batch: int, lr: float, seed: int, device: Any = "cpu",
                 meter: Any = None, times: Optional[List[float]] = None,
                 on_step: Optional[Callable[[int, float], None]] = None) -> List[float]:
-    """Train ``model`` (a :class:`GPT`, wrapped or not) for ``steps`` steps of the benchmark harness
-    (:func:`hyper_parallel.bench.harness.train_step`, SGD) and return each step's loss.
+    """Train ``model`` (a :class:`GPT`, wrapped or not) ``steps`` steps of the benchmark harness (SGD) on
+    ``make_batch(cfg, batch, seed + i)``, dropout seeded from ``seed + i``, and return the losses. ``meter`` wraps the
+    loop (a context manager, or ``meter(model, optimizer)`` returning one); ``times`` receives each step's forward +
+    backward seconds; ``on_step(i, loss)`` is called after each step. Example::
 
-    Step ``i`` trains on ``make_batch(cfg, batch, seed + i)`` with the global RNG (dropout) seeded from ``seed + i``:
-    two calls with the same arguments on equal models give equal losses. ``meter`` wraps the training loop when given: a
-    context manager, or a callable ``meter(model, optimizer)`` returning one (so that a memory meter can track the
-    optimizer made here). ``times``, a list, receives each step's forward + backward seconds; ``on_step(i, loss)`` is
-    called after each step.
-
-    Example::
-
-        >>> model = GPT(GPTConfig(vocab=64, dim=32, heads=2, layers=2, seq=16), seed=0)
-        >>> len(train_steps(model, steps=2, batch=2, lr=0.1, seed=0))
+        >>> len(train_steps(GPT(GPTConfig(vocab=64, dim=32, heads=2, layers=2, seq=16)), 2, batch=2, lr=0.1, seed=0))
         2
     """
     from hyper_parallel.bench.harness import Variant, optimizer_for, train_step

@@ -1,18 +1,15 @@
 """Every way the benchmarks train a model, in one registry: our modes, PyTorch's and torchtune's.
 
 Each entry of ``RECIPES`` is a :class:`Recipe`: a name, who provides it (``baseline``, ``ours``, ``peer``), one line
-saying what it wraps and how (the legends print it), and a few lines that apply it to a model's layer stack
-(``model.layers``, or the stack ``find_layer_stack`` finds in a Hugging Face model; the ``func*`` and ``attn`` recipes
-need layers with ``.attn`` and ``.mlp``). The benchmarks pick their rows by name: ``python -m hyper_parallel.bench``
-(``MODE_RECIPES``, the RFC's seven modes; ``SWAP_WRAPPER_RECIPES`` with ``--swap-wrapper``),
-``benchmarks/compare_peers.py`` (``PEER_VARIANTS``), ``recompute_vs_torch.py`` (``RECOMPUTE_VS_TORCH``),
-``swap_overhead.py`` (``OVERHEAD_VARIANTS``: ``copy_hooks`` and ``torch_sac_copy`` are the peers doing what ours do on a
-CPU), ``swap_memory.py`` (``MEMORY_VARIANTS``); ``compile_vs_eager.py`` and ``planner.py`` any. The library is imported
-lazily, so ``none`` (and the peers) work without it.
+saying what it wraps (the legends print it), and how it applies to a model's layer stack (``model.layers``, or a Hugging
+Face model's, through the model's own hooks; the ``func*`` and ``attn`` recipes need layers with ``.attn`` and
+``.mlp``). The benchmarks pick rows by name (``MODE_RECIPES``, ``SWAP_WRAPPER_RECIPES``, ``PEER_VARIANTS``,
+``OVERHEAD_VARIANTS``, ``MEMORY_VARIANTS``). The library is imported lazily.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import warnings
@@ -22,7 +19,6 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import torch
 import torch.utils.checkpoint
 from torch import nn
-
 
 # One (batch 4, heads 4, 256 x 256) float32 attention matrix of the bench's default model: the
 # attention's other saved tensors are at most 1 MiB. The bench derives it from its actual shape.
@@ -39,25 +35,22 @@ def _api():
 
 
 def save_matmuls(ctx, op, *args, **kwargs):
-    """Selective-checkpoint policy: keep matmul outputs (MUST_SAVE), recompute the rest (layer norm, GELU, softmax,
-    dropout...): expensive ops are not redone, cheap memory-hungry ones are. Usage: ``checkpoint_wrapper(layer,
-    policy_fn=save_matmuls)``."""
+    """Selective-checkpoint policy: keep matmul outputs (MUST_SAVE), recompute the rest (norms, GELU, softmax...).
+    Usage: ``checkpoint_wrapper(layer, policy_fn=save_matmuls)``."""
     policy = _api().CheckpointPolicy
     return policy.MUST_SAVE if op in MATMUL_OPS else policy.MUST_RECOMPUTE
 
 
 def swap_matmuls(ctx, op, *args, **kwargs):
-    """Like :func:`save_matmuls` with the matmul outputs MUST_SWAP: offloaded after the layer's forward and prefetched
-    before its backward, in chained layers (unchained: saved). Usage: ``wrap_layers(model.layers,
-    policy_fn=swap_matmuls, swap_inputs=True)``."""
+    """Like :func:`save_matmuls` with the matmul outputs MUST_SWAP (offloaded in chained layers; unchained: saved).
+    Usage: ``wrap_layers(model.layers, policy_fn=swap_matmuls, swap_inputs=True)``."""
     policy = _api().CheckpointPolicy
     return policy.MUST_SWAP if op in MATMUL_OPS else policy.MUST_RECOMPUTE
 
 
 def swap_if_at_least(threshold_bytes: int) -> Callable:
     """A ``swap_wrapper`` policy: MUST_SWAP for tensors of at least ``threshold_bytes``, else MUST_SAVE (attention
-    matrices go to the host, small tensors stay: most of the memory for few transfers). Usage:
-    ``swap_wrapper(layer.attn, policy_fn=swap_if_at_least(4 << 20))``."""
+    matrices to the host, small tensors kept). Usage: ``swap_wrapper(attn, policy_fn=swap_if_at_least(4 << 20))``."""
     threshold = int(threshold_bytes)
     if threshold < 0:
         raise ValueError(f"threshold_bytes must be >= 0, got {threshold_bytes}")
@@ -72,9 +65,8 @@ def swap_if_at_least(threshold_bytes: int) -> Callable:
 
 
 def chain_layers(layers) -> None:
-    """Declare the forward order of ``layers`` to the swap manager, for stacks whose layers were not wrapped themselves
-    (``wrap_layers`` chains the ones it wraps): a layer's swapped tensors are offloaded when the next one has run its
-    forward, prefetched when it starts its backward."""
+    """Declare the forward order of ``layers`` to the swap manager, for layers not wrapped themselves (``wrap_layers``
+    chains the ones it wraps): each one's swapped tensors go when the next has run, return when it starts backward."""
     manager, layers = _api().SwapManager(), list(layers)
     for first, second in zip(layers, layers[1:]):
         manager.set_forward_prefetch_layer(first, second)
@@ -181,16 +173,6 @@ class _HostCopyEntries(dict):
         return entry if entry is default else self._map(entry, out=False)
 
 
-class _HostCopyStorage(dict):
-    def __init__(self, counter: ByteCounter) -> None:
-        super().__init__()
-        self._counter = counter
-
-    def __missing__(self, key: Any) -> _HostCopyEntries:
-        entries = self[key] = _HostCopyEntries(self._counter)
-        return entries
-
-
 def sac_host_copy_contexts(policy_fn: Callable, counter: ByteCounter) -> Tuple[Any, Any]:
     """``create_selective_checkpoint_contexts(policy_fn)`` whose cache holds host copies, counted: what an offloading
     selective checkpoint does off-device (an outer ``save_on_cpu`` does not see these outputs: PyTorch keeps them in its
@@ -199,7 +181,7 @@ def sac_host_copy_contexts(policy_fn: Callable, counter: ByteCounter) -> Tuple[A
     if not (hasattr(caching, "storage") and hasattr(cached, "storage")):
         raise RuntimeError(f"torch {torch.__version__}: the selective-checkpoint contexts keep no .storage; "
                            "the host-copying peer cannot be built")
-    caching.storage = cached.storage = _HostCopyStorage(counter)
+    caching.storage = cached.storage = collections.defaultdict(lambda: _HostCopyEntries(counter))
     return caching, cached
 
 
@@ -272,10 +254,6 @@ def _hugging_face(model: nn.Module) -> bool:
     return hasattr(model, "gradient_checkpointing_enable")
 
 
-def _none(model, device, threshold):
-    return None
-
-
 def _wrapped(chain: bool, **kwargs):  # every layer wrapped by wrap_layers (and chained)
     def apply(model, device, threshold):
         if _hugging_face(model):  # wrap_model also lets the model turn its KV cache off above checkpointed layers
@@ -306,13 +284,10 @@ def _attn_swap(with_policy: bool):  # swap_wrapper on every layer.attn, whole la
     return apply
 
 
-def _torch_sac_contexts():
-    return torch.utils.checkpoint.create_selective_checkpoint_contexts(_torch_policy)
-
-
 def _torch_ckpt(selective: bool):
     def apply(model, device, threshold):
-        context_fn = _torch_sac_contexts if selective else torch.utils.checkpoint.noop_context_fn
+        context_fn = (functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, _torch_policy)
+                      if selective else torch.utils.checkpoint.noop_context_fn)
         if _hugging_face(model):
             # PyTorch's checkpoint through the model's own hook, as its users switch it on (the hook also turns
             # the KV cache off in training, which a recompute cannot append to twice)
@@ -330,17 +305,13 @@ def _save_on_cpu(model, device, threshold):
     return counter
 
 
-def _copy_hooks(model, device, threshold):
-    counter = ByteCounter()
-    _each_layer(model, lambda layer: HooksLayer(layer, lambda: CopyHooks(counter)))
-    return counter
-
-
-def _torch_sac_copy(model, device, threshold):
-    counter = ByteCounter()
-    _each_layer(model, lambda layer: HooksLayer(layer, lambda: CopyHooks(counter),
-                                                context_fn=lambda: sac_host_copy_contexts(_torch_policy, counter)))
-    return counter
+def _copying(selective: bool):  # every saved tensor copied out and back; selective: torch_sac's cache too
+    def apply(model, device, threshold):
+        counter = ByteCounter()
+        context_fn = (lambda: sac_host_copy_contexts(_torch_policy, counter)) if selective else None
+        _each_layer(model, lambda layer: HooksLayer(layer, lambda: CopyHooks(counter), context_fn=context_fn))
+        return counter
+    return apply
 
 
 def _torchtune(checkpointed: bool):
@@ -363,20 +334,16 @@ def _torchtune(checkpointed: bool):
 
 
 RECIPES: Dict[str, Recipe] = {r.name: r for r in [
-    Recipe("none", "baseline", "no wrapper: plain training, the baseline", _none),
+    Recipe("none", "baseline", "no wrapper: plain training, the baseline", lambda model, device, threshold: None),
     Recipe("torch_ckpt", "peer", "torch.utils.checkpoint (non-reentrant) per layer", _torch_ckpt(False)),
     Recipe("torch_sac", "peer", "PyTorch selective checkpoint per layer: save mm/addmm/bmm, recompute the rest",
            _torch_ckpt(True)),
     Recipe("save_on_cpu", "peer", "torch.autograd.graph.save_on_cpu per layer (pin_memory on accelerators)",
            _save_on_cpu, offloads=True),
-    Recipe("copy_hooks", "peer", "saved_tensors_hooks per layer copying every saved tensor (parameters too) out "
-                                 "(torch.empty_like + copy_) and back (clone): save_on_cpu's work, also on a CPU "
-                                 "(a CPU yardstick: on an accelerator the copy stays on the device)",
-           _copy_hooks, offloads=True),
-    Recipe("torch_sac_copy", "peer", "torch_sac whose cached matmul outputs are copied out and back "
-                                     "(sac_host_copy_contexts), inside copy_hooks (which copy the layer input the "
-                                     "checkpoint saves): what ours_ckpt_swap moves",
-           _torch_sac_copy, offloads=True),
+    Recipe("copy_hooks", "peer", "saved_tensors_hooks per layer copying every saved tensor out and back: save_on_cpu's "
+                                 "work on a CPU too (a CPU yardstick)", _copying(False), offloads=True),
+    Recipe("torch_sac_copy", "peer", "torch_sac with its cached matmul outputs, and in copy_hooks the layer input, "
+                                     "copied out and back: what ours_ckpt_swap moves", _copying(True), offloads=True),
     Recipe("torchtune_offload", "peer", "torchtune OffloadActivations around each layer (streams, pinned)",
            _torchtune(False), offloads=True),
     Recipe("torchtune_offload_ckpt", "peer", "torchtune OffloadActivations + torch.utils.checkpoint per layer "
@@ -423,9 +390,6 @@ SWAP_WRAPPER_MODES = tuple(SWAP_WRAPPER_RECIPES)
 PEER_VARIANTS: Tuple[str, ...] = (
     "none", "torch_ckpt", "torch_sac", "save_on_cpu", "torchtune_offload", "torchtune_offload_ckpt",
     "ours_recompute", "ours_save", "ours_swap_wrapper", "ours_ckpt_swap", "ours_recompute_swapin")
-#: ``benchmarks/recompute_vs_torch.py``'s rows (its names -> recipes).
-RECOMPUTE_VS_TORCH: Dict[str, str] = {"torch_full": "torch_ckpt", "ours_full": "ours_recompute",
-                                      "torch_sac": "torch_sac", "ours_sac": "ours_save"}
 #: ``benchmarks/swap_overhead.py``'s rows (on ``SmallOpsNet``): ours and the peers doing the same work.
 OVERHEAD_VARIANTS: Tuple[str, ...] = ("none", "save_on_cpu", "copy_hooks", "ours_swap_wrapper", "torch_sac",
                                       "torch_sac_copy", "ours_save", "ours_ckpt_swap")

@@ -1,17 +1,12 @@
-"""Reporting and command lines for every benchmark: tables, legends, loss comparison, swap statistics, the environment,
-JSON, charts, and the options the scripts share.
-
-Each benchmark builds its rows and prints them with :func:`table`; a legend of what each row wraps comes from the
-recipes' ``what`` (:func:`legend`); losses are compared with :func:`loss_check`; ``SwapManager().stats()`` is one line
-by :func:`swap_stats_line`; :func:`write_json` writes a result document and :func:`bar_chart` / :func:`sweep_chart` /
-:func:`pareto_chart` draw it (when matplotlib is installed: the ``bench`` extra). :func:`script_parser` and
-:func:`script_setup` give the scripts of ``benchmarks/`` their shared options (device, dtype, seed, threads, JSON) and
-check them.
+"""Reporting and command lines for every benchmark: tables, legends, loss comparison, the ``SwapManager().stats()``
+line, the environment, JSON, charts (with matplotlib, the ``bench`` extra), and the options the scripts of
+``benchmarks/`` share (:func:`script_parser`, :func:`script_setup`, :func:`variant_names`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -20,7 +15,6 @@ import sys
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-
 
 MiB = 1024 * 1024
 
@@ -37,9 +31,7 @@ def fmt(x: Optional[float], spec: str = "%.1f") -> str:
 
 def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     """``a / b``, or ``None`` when either is missing or ``b`` is 0."""
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
+    return None if a is None or b is None or b == 0 else a / b
 
 
 def table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str) -> str:
@@ -60,8 +52,7 @@ def legend(rows: Sequence[Tuple[str, str]], title: str = "legend") -> str:
     return "\n".join([f"{title}:"] + [f"  {n.ljust(width)}  {what}" for n, what in rows])
 
 
-def loss_check(losses: Sequence[float], baseline: Sequence[float], exact: bool,
-               atol: float) -> Dict[str, Any]:
+def loss_check(losses: Sequence[float], baseline: Sequence[float], exact: bool, atol: float) -> Dict[str, Any]:
     """``{"equal", "max_abs_diff"}`` of one loss sequence against the baseline's: bitwise when ``exact`` (CPU), else
     within ``atol``; sequences of different lengths are not equal."""
     if len(losses) != len(baseline):
@@ -109,10 +100,8 @@ def environment(device: torch.device) -> Dict[str, Any]:
         env.update(device_name=dm.get_device_name(device), cuda=torch.version.cuda,
                    device_memory_bytes=int(getattr(dm.get_device_properties(device), "total_memory", 0)))
     try:
-        import torchtune
-
-        env["torchtune"] = getattr(torchtune, "__version__", "?")
-    except Exception:  # absent, or failing on this torch
+        env["torchtune"] = importlib.metadata.version("torchtune")
+    except importlib.metadata.PackageNotFoundError:
         env["torchtune"] = None
     return env
 
@@ -171,9 +160,8 @@ def variant_names(spec: Optional[str], default: Sequence[str], known: Iterable[s
 
 
 def script_parser(doc: str, *, seed: int = 1234, device: bool = True, threads: bool = True) -> argparse.ArgumentParser:
-    """A benchmark script's parser (its description: ``doc``'s first line) with the options every script shares:
-    ``--device`` (``auto``: the accelerator if any), ``--dtype``, ``--seed``, ``--threads`` (default one intra-op thread
-    on CPU: steadier medians on a shared machine) and ``--json``."""
+    """A script's parser (described by ``doc``'s first line) with the options every script shares: ``--device``
+    (``auto``: the accelerator if any), ``--dtype``, ``--seed``, ``--threads`` (default 1 on CPU), ``--json``."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     if device:
         p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, npu, ... or 'auto' (default cpu)")
@@ -254,9 +242,8 @@ def bar_chart(path: str, rows: Mapping[str, Mapping[str, Any]], title: str,
 
 
 def sweep_chart(path: str, axis: str, points: List[Dict[str, Any]], title: str) -> None:
-    """Peak above params + buffers and median step time of every row against the swept ``axis``; ``points`` are
-    ``{"value", "results": {name: row}}`` with rows as in :func:`bar_chart` plus ``peak_above_static_bytes`` and
-    ``grad_bytes``."""
+    """Peak above parameters and buffers, and median step time, of every row against the swept ``axis`` (``points``:
+    ``{"value", "results": {name: row}}``)."""
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     names: List[str] = []
@@ -289,9 +276,8 @@ def sweep_chart(path: str, axis: str, points: List[Dict[str, Any]], title: str) 
 
 
 def pareto_chart(path: str, models: List[Dict[str, Any]]) -> None:
-    """Step time against measured peak, one panel per model: the memory plans as a curve (in budget order), PyTorch's
-    sac_ilp plans as another, every fixed recipe as a labelled point. ``models``: ``benchmarks/planner.py``'s per-model
-    results (``rows`` with ``fwd_bwd_peak_bytes`` and ``step_time_s``)."""
+    """Step time against measured peak, a panel per model (``benchmarks/planner.py``'s results): plans and sac_ilp's as
+    curves in budget order, every fixed recipe as a labelled point."""
     plt = _plt()
     fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.4), squeeze=False)
     for ax, m in zip(axes[0], models):
