@@ -293,8 +293,8 @@ def pareto_chart(path: str, models: List[Dict[str, Any]]) -> None:
             ax.plot(r["fwd_bwd_peak_bytes"] / MiB, r["step_time_s"] * 1e3, "D", color=_COLORS.get(r["who"], "k"))
             ax.annotate(n, (r["fwd_bwd_peak_bytes"] / MiB, r["step_time_s"] * 1e3), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
-        ax.set(xlabel="measured peak of forward + backward (MiB)", ylabel="median forward + backward (ms)",
-               title=m["model"])
+        ax.set(xlabel="measured peak of forward + backward (MiB)", ylabel="median forward + backward (ms)")
+        ax.set_title(m["model"], fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("memory plans against the fixed recipes", fontsize=10)
