@@ -286,12 +286,12 @@ def metered_step(v: Variant, batch: Batch, seed: int, device: Any) -> Tuple[floa
 
 
 def calls_step(v: Variant, batch: Batch, seed: int, device: Any) -> Tuple[float, float, float]:
-    """One untimed forward + backward under :class:`counting_calls` (``v.calls``), the backward on this thread so that
-    its hooks are counted on an accelerator too."""
+    """One untimed forward + backward (a tuple batch) under :class:`counting_calls` (``v.calls``), the backward on this
+    thread so that its hooks are counted on an accelerator too."""
     torch.manual_seed(seed)
     v.optimizer.zero_grad(set_to_none=True)
-    with torch.autograd.set_multithreading_enabled(False), counting_calls() as calls:
-        loss = forward_loss(v.model, batch)
+    with torch.autograd.set_multithreading_enabled(False), counting_calls() as calls:  # (the model and backward only)
+        loss = v.model(*batch)
         loss.backward()
     v.calls = dict(calls)
     return float(loss.detach().item()), 0.0, 0.0

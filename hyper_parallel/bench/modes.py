@@ -10,7 +10,6 @@ Face model's, through the model's own hooks; the ``func*`` and ``attn`` recipes 
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
@@ -87,10 +86,10 @@ def _torch_policy(ctx, op, *args, **kwargs):
 
 
 class HooksLayer(nn.Module):
-    """A layer run under a ``saved_tensors_hooks`` context made by ``hooks()`` (default none), and under PyTorch's
-    non-reentrant checkpoint when ``checkpointed`` or given a ``context_fn``."""
+    """A layer under PyTorch's non-reentrant checkpoint (``context_fn``: its selective one), or under the
+    ``saved_tensors_hooks`` context ``hooks()`` makes, checkpointed too if ``checkpointed`` or given ``context_fn``."""
 
-    def __init__(self, inner: nn.Module, hooks: Callable[[], Any] = contextlib.nullcontext,
+    def __init__(self, inner: nn.Module, hooks: Optional[Callable[[], Any]] = None,
                  checkpointed: bool = False, context_fn: Optional[Callable[[], Any]] = None) -> None:
         super().__init__()
         self.inner, self.hooks = inner, hooks
@@ -98,6 +97,9 @@ class HooksLayer(nn.Module):
         self.context_fn = context_fn or torch.utils.checkpoint.noop_context_fn
 
     def forward(self, *args, **kwargs):
+        if self.hooks is None:  # (PyTorch's checkpoint alone: nothing around it that would cost the peer)
+            return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False, context_fn=self.context_fn,
+                                                     **kwargs)
         with self.hooks():
             if self.checkpointed:
                 return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False,
