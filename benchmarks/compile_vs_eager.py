@@ -1,17 +1,6 @@
-"""Step time and peak memory of each mode eager and under ``torch.compile``, on the bench GPT.
-
-For every recipe (``hyper_parallel.bench.modes``) two variants in the shared runner: the recipe
-eager and ``<recipe>+compile`` (``torch.compile(model)``, default inductor backend), side by side,
-compiled during the warm-up, then timed interleaved (one step of each per round); the table
-reports the median forward + backward time, the compiled / eager ratio, the peak memory of one
-metered step and whether the compiled copy's losses stay within the compiler's tolerance of the
-eager ones (relative 1e-4).
-
-On CPU the memory meter counts storages through a dispatch mode, which cannot see inside compiled
-kernels (and changes how dynamo runs the compiled copy), so compiled peaks are reported on
-accelerators only (the allocator counts everything there).
-
-Run::
+"""Step time and peak memory of each recipe eager and under ``torch.compile`` (inductor) on the bench GPT, side by side
+on the benchmark harness; compiled losses within relative 1e-4 of the eager ones; compiled peaks on accelerators only
+(the CPU meter's dispatch mode cannot see inside compiled kernels). Run::
 
     python benchmarks/compile_vs_eager.py                       # CPU, small config (minutes: compiles 5 models)
     python benchmarks/compile_vs_eager.py --device cuda --dim 1024 --seq 1024 --layers 8
@@ -19,7 +8,6 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import List, Optional
@@ -28,52 +16,38 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from hyper_parallel.bench import report, runner  # noqa: E402
+from hyper_parallel.bench import harness, report  # noqa: E402
 from hyper_parallel.bench.model import GPTConfig  # noqa: E402
 from hyper_parallel.bench.modes import RECIPES  # noqa: E402
 from hyper_parallel.bench.report import MiB, ratio  # noqa: E402
-from hyper_parallel.bench.timing import median  # noqa: E402
 from hyper_parallel.core.activation_checkpoint import SwapManager  # noqa: E402
 
 DEFAULT_RECIPES = ["none", "ours_recompute", "ours_save", "ours_ckpt_swap", "ours_swap_wrapper"]
 
 
-def close(a: List[float], b: List[float]) -> bool:
-    """Every loss of ``b`` within relative 1e-4 of ``a``'s (the compiler reorders reductions)."""
-    return len(a) == len(b) and all(abs(x - y) <= 1e-4 * max(1.0, abs(x)) for x, y in zip(a, b))
-
-
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--recipes", default=",".join(DEFAULT_RECIPES))
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--json", default=None)
+    ap = report.script_parser(__doc__, seed=0, threads=False)
+    ap.add_argument("--recipes", default=None, help="comma-separated (default %s)" % ",".join(DEFAULT_RECIPES))
+    for name, default in (("layers", 2), ("dim", 64), ("heads", 2), ("seq", 64), ("batch", 4), ("rounds", 8),
+                          ("warmup", 2)):
+        ap.add_argument(f"--{name}", type=int, default=default)
     args = ap.parse_args(argv)
-    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
-    bad = [n for n in names if n not in RECIPES]
-    if bad:
-        ap.error(f"unknown recipe(s) {', '.join(bad)}; choose from {', '.join(RECIPES)}")
-
-    device = torch.device(args.device)
+    names = report.variant_names(args.recipes, DEFAULT_RECIPES, RECIPES, ap)
+    device, dtype = report.script_setup(args, ap)
     cfg = GPTConfig(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, dropout=0.0)
-    run = runner.run_variants([k for n in names for k in (n, n + runner.COMPILED)], cfg, batch=args.batch,
-                              device=device, rounds=args.rounds, warmup=args.warmup, lr=0.0, seed=0)
+    run = harness.run_variants([k for n in names for k in (n, n + harness.COMPILED)], cfg, batch=args.batch,
+                               device=device, dtype=dtype, rounds=args.rounds, warmup=args.warmup, lr=0.0,
+                               seed=args.seed)
     for name, why in {**run.skipped, **run.errors}.items():
         print(f"FAILED {name}: {why}", file=sys.stderr)
     rows, doc = [], {"device": str(device), "config": cfg.to_dict(), "batch": args.batch, "rows": {}}
     for name in names:
-        e, c = (run.variants.get(k) for k in (name, name + runner.COMPILED))
+        e, c = (run.variants.get(k) for k in (name, name + harness.COMPILED))
         if e is None or c is None:
             continue
-        te, tc = median(e.times), median(c.times)
-        ok = close(e.losses, c.losses)
+        te, tc = harness.median(e.times), harness.median(c.times)
+        ok = len(e.losses) == len(c.losses) and all(  # within relative 1e-4: the compiler reorders reductions
+            abs(x - y) <= 1e-4 * max(1.0, abs(x)) for x, y in zip(e.losses, c.losses))
         rows.append([name, "%.2f" % (te * 1e3), "%.2f" % (tc * 1e3), "%.2f" % (tc / te), "%.2f" % (e.peak_bytes / MiB),
                      "n/a" if c.peak_bytes is None else "%.2f" % (c.peak_bytes / MiB), "yes" if ok else "NO"])
         doc["rows"][name] = {"eager_s": te, "compiled_s": tc, "ratio": ratio(tc, te), "eager_peak": e.peak_bytes,

@@ -98,7 +98,7 @@ else
     SWEEP_L=(--dim 2048 --heads 16 --seq 2048 --batch 1 --dtype "$DTYPE" --values 4,8,16,32)
     SWEEP_S=(--dim 2048 --heads 16 --layers 8 --batch 1 --dtype "$DTYPE" --values 512,1024,2048,4096)
     BENCH=()
-    PLAN=(--batch 4 --seq 1024 --gpt-dim 1024 --postln-dim 1024 --llama-dim 1024)
+    PLAN=(--models gpt,postln,llama --batch 4 --seq 1024 --gpt-dim 1024 --postln-dim 1024 --hf-dim 1024)
     T_GPU=240; T_CMP=170; T_SWEEP=90; T_BENCH=35; T_PLAN=150  # 775 s of stage limits + start-up: < 14 min
 fi
 

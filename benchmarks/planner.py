@@ -1,34 +1,23 @@
-"""The memory planner against every fixed recipe and PyTorch's eager sac_ilp, budget by budget (issue 27).
+"""The memory planner against every fixed recipe and PyTorch's eager sac_ilp, budget by budget.
 
-For each model (the bench GPT, a 16-layer post-LN transformer with ``nn.MultiheadAttention`` and a
-ReLU feed-forward block, a Hugging Face Llama built from a config), the planner profiles the step
-once (``step_fn`` = forward + backward of one batch; it calls it twice) and plans ``--budgets``
-budgets spread from its smallest reachable peak to the step's peak with nothing wrapped. Every plan,
-the fixed recipes (``none``, ``torch_ckpt``: full recompute, ``torch_sac``: PyTorch's selective
-checkpoint saving the matmuls, ``ours_swap_wrapper``: swap_wrapper + the layer chain,
-``ours_ckpt_swap``: MUST_SWAP for the matmuls + swap_inputs + the chain) and, with ``pulp``
-installed, PyTorch's ``sac_ilp`` plan at each budget then train side by side in one process on the
-shared runner (``hyper_parallel.bench.runner``: a copy of one model each, interleaved rounds).
-
-Measured, per row: the peak of forward + backward (the quantity a budget bounds: the model's
-parameters and buffers plus what the step allocates; the CPU ``MemoryMeter`` counts live storages,
-host copies excluded; an accelerator's allocator its own counters) and the median forward +
-backward time; per plan also its budget, the prediction and the error. The checks printed at the
-end are the issue's targets: every measured peak within its budget; the plan's time non-increasing
-with the budget (3% noise) and within 1.03x of the fastest recipe or sac_ilp plan whose measured
-peak fits; at the no-checkpoint peak within 1.03x of ``none``; predicted time within 10% and peak
-within 5%; solving under 2 s for 32 layers; losses and last gradients bitwise equal to ``none``.
+Models (``--models``, default all): the bench GPT, a post-LN ``nn.MultiheadAttention`` transformer and Hugging Face
+models from small configs in code (no download), trained as their users run them (train mode, the config's defaults,
+``model(input_ids=..., labels=...).loss.backward()``): Llama, Mistral (sliding window), Phi-3 (fused qkv and gate_up),
+Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, GPT-2 and the encoder BERT (masked-LM head). Per model the planner profiles the step
+once and plans ``--budgets`` budgets from its smallest reachable peak to the unwrapped peak; every plan, the ``FIXED``
+recipes and PyTorch's ``sac_ilp`` plans (``torch_sac_ilp.py``) train side by side on the benchmark harness. The checks
+and the summary line of each model are printed after its table.
 
 Run::
 
-    python benchmarks/planner.py                           # three models, 8 budgets each, CPU
-    python benchmarks/planner.py --models gpt --budgets 4 --plot planner.png --json planner.json
-    python benchmarks/planner.py --device cuda
+    python benchmarks/planner.py                           # every model, 8 budgets each, CPU
+    python benchmarks/planner.py --models llama,phi3 --budgets 4
+    python benchmarks/planner.py --models gpt --plot planner.png --json planner.json
 """
 
 from __future__ import annotations
 
-import argparse
+import collections
 import copy
 import os
 import sys
@@ -40,78 +29,91 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from hyper_parallel.bench import report, runner  # noqa: E402
+from hyper_parallel.bench import harness, report  # noqa: E402
 from hyper_parallel.bench.model import GPT, GPTConfig, make_batch  # noqa: E402
-from hyper_parallel.bench.modes import RECIPES, Recipe  # noqa: E402
+from hyper_parallel.bench.modes import RECIPES, Recipe, layer_stack  # noqa: E402
 from hyper_parallel.bench.postln import PostLNConfig, PostLNTransformer  # noqa: E402
 from hyper_parallel.bench.report import MiB, fmt  # noqa: E402
-from hyper_parallel.bench.sac_ilp import profile_sac_ilp, sac_ilp_available, sac_ilp_recipe  # noqa: E402
 from hyper_parallel.core.activation_checkpoint import MemoryPlan, SwapManager  # noqa: E402
 from hyper_parallel.planner import Planner, active_prober, format_bytes, solver  # noqa: E402
 
 FIXED = ("none", "torch_ckpt", "torch_sac", "ours_swap_wrapper", "ours_ckpt_swap")
 NOISE = 1.03
+VOCAB = 512
+#: Hugging Face families: config class, model class, what its config adds to the shared sizes (see hf_model).
+HF_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", "gqa"),
+               "mistral": ("MistralConfig", "MistralForCausalLM", "gqa window"),
+               "phi3": ("Phi3Config", "Phi3ForCausalLM", "gqa ids"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "gqa"),
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "gqa moe"),
+               "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "gqa window"),
+               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gqa window"),
+               "gpt2": ("GPT2Config", "GPT2LMHeadModel", "ids"),
+               "bert": ("BertConfig", "BertForMaskedLM", "")}
+MODELS = ("gpt", "postln") + tuple(HF_FAMILIES)
 
 
-# ------------------------------------------------------------------------------ the models
-class LlamaLM(nn.Module):
-    """A Hugging Face ``LlamaForCausalLM`` from a small config, called as the runner calls a model
-    (``loss = model(tokens, targets)``), its decoder layers as ``.layers``."""
+def hf_model(family: str, layers: int, dim: int, seq: int, seed: int) -> nn.Module:
+    """A Hugging Face model of ``family`` from a small config (4 heads; 2 KV heads, a window of half the sequence,
+    4 experts of which 2 per token where the family has them), in train mode, deterministic from ``seed``."""
+    import transformers
 
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int, seed: int) -> None:
-        super().__init__()
-        from transformers import LlamaConfig, LlamaForCausalLM  # (optional: the hf extra)
+    import hyper_parallel.integrations.transformers  # noqa: F401  (hands HF layers our checkpoint)
 
-        cfg = LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=int(2.75 * dim),
-                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                          max_position_embeddings=seq, attn_implementation="sdpa")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.lm = LlamaForCausalLM(cfg)
-        self.layers = self.lm.model.layers
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm(input_ids=tokens, use_cache=False).logits
-        return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    config_name, model_name, adds = HF_FAMILIES[family]
+    kwargs = {"vocab_size": VOCAB, "hidden_size": dim, "intermediate_size": int(2.75 * dim), "num_attention_heads": 4,
+              "num_hidden_layers": layers, "max_position_embeddings": seq}
+    for add in adds.split():
+        kwargs.update({"gqa": {"num_key_value_heads": 2, "head_dim": dim // 4}, "window": {"sliding_window": seq // 2},
+                       "moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": dim},
+                       "ids": {"pad_token_id": 0, "bos_token_id": VOCAB - 1, "eos_token_id": VOCAB - 1}}[add])
+    cfg = getattr(transformers, config_name)(**kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return getattr(transformers, model_name)(cfg).train()
 
 
-def build(name: str, args: argparse.Namespace, device: torch.device) -> Tuple[nn.Module, Callable[[int], tuple]]:
+def hf_batch(masked: bool, batch: int, seq: int, seed: int, device: torch.device) -> Dict[str, torch.Tensor]:
+    """``input_ids`` and ``labels`` (the inputs: a decoder shifts them); ``masked`` (an encoder's masked-LM): 15% of the
+    inputs replaced by the last token id (the mask), the other labels -100."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB - 1, (batch, seq), generator=gen)
+    if not masked:
+        return {"input_ids": ids.to(device), "labels": ids.to(device)}
+    mask = torch.rand(batch, seq, generator=gen) < 0.15
+    return {"input_ids": ids.masked_fill(mask, VOCAB - 1).to(device), "labels": ids.masked_fill(~mask, -100).to(device)}
+
+
+def build(name: str, args, device: torch.device) -> Tuple[nn.Module, Callable[[int], Any]]:
     """The model ``name`` on ``device`` and its batches (``batches(i)``: step ``i``'s)."""
+    if name in HF_FAMILIES:
+        model = hf_model(name, args.hf_layers, args.hf_dim, args.seq, args.seed).to(device)
+        return model, lambda i: hf_batch(name == "bert", args.batch, args.seq, args.seed + i, device)
     if name == "gpt":
-        cfg = GPTConfig(layers=args.gpt_layers, dim=args.gpt_dim, heads=4, seq=args.seq, vocab=512, dropout=0.1)
+        cfg = GPTConfig(layers=args.gpt_layers, dim=args.gpt_dim, heads=4, seq=args.seq, vocab=VOCAB, dropout=0.1)
         model: nn.Module = GPT(cfg, seed=args.seed)
-    elif name == "postln":
-        cfg = PostLNConfig(layers=args.postln_layers, dim=args.postln_dim, heads=4, seq=args.seq, vocab=512)
+    else:  # (main checked the names)
+        cfg = PostLNConfig(layers=args.postln_layers, dim=args.postln_dim, heads=4, seq=args.seq, vocab=VOCAB)
         model = PostLNTransformer(cfg, seed=args.seed)
-    elif name == "llama":
-        cfg = GPTConfig(layers=args.llama_layers, dim=args.llama_dim, heads=4, seq=args.seq, vocab=512)
-        model = LlamaLM(cfg.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq, args.seed)
-    else:
-        raise ValueError(f"unknown model {name!r}; choose from gpt, postln, llama")
-    model.to(device)
-    return model, lambda i: make_batch(cfg, args.batch, args.seed + i, device=device)
+    return model.to(device), lambda i: make_batch(cfg, args.batch, args.seed + i, device=device)
 
 
-# ------------------------------------------------------------------------------ planning
-def plan_budgets(model: nn.Module, batches: Callable[[int], tuple], count: int, device: torch.device
-                 ) -> Tuple[List[MemoryPlan], Dict[str, Any]]:
-    """Profile a copy of ``model`` once and plan ``count`` budgets from the smallest reachable
-    peak to the step's peak with nothing wrapped; what planning cost."""
+def plan_budgets(model: nn.Module, batches: Callable[[int], Any], count: int) -> Tuple[List[MemoryPlan], Dict]:
+    """Profile a copy of ``model`` once and plan ``count`` budgets from the smallest reachable peak to the step's peak
+    with nothing wrapped; what planning cost."""
     profiled = copy.deepcopy(model)
-    batch = batches(0)
-    calls = [0]
+    layers, batch, calls = list(layer_stack(profiled)), batches(0), [0]
 
     def step_fn() -> None:
         calls[0] += 1
-        profiled(*batch).backward()
+        harness.forward_loss(profiled, batch).backward()
 
     prober = active_prober()
     t0 = time.perf_counter()
-    profile = prober.profile_step(list(profiled.layers), step_fn)
+    profile = prober.profile_step(layers, step_fn)
     t1 = time.perf_counter()
-    planner = Planner(list(profiled.layers), profile, prober)
-    minimum = planner.min_budget()[0]
-    reference = planner.reference_peak()
+    planner = Planner(layers, profile, prober)
+    minimum, reference = planner.min_budget()[0], planner.reference_peak()
     budgets = [int(minimum + (reference - minimum) * k / max(1, count - 1)) for k in range(count)]
     plans = [planner.plan(b) for b in budgets]
     t2 = time.perf_counter()
@@ -119,195 +121,180 @@ def plan_budgets(model: nn.Module, batches: Callable[[int], tuple], count: int, 
     t3 = time.perf_counter()
     for b in budgets:  # every option is measured by now: this is the solving alone
         solver.solve(problem, b)
-    solve_s = (time.perf_counter() - t3) / len(budgets)
-    cost = {"step_fn_calls": calls[0], "profile_s": t1 - t0, "probe_and_plan_s": t2 - t1, "probes": planner.probes,
-            "solve_s_per_budget": solve_s, "layers": len(profiled.layers), "min_budget_bytes": minimum,
-            "reference_peak_bytes": reference, "layer_types": len(profile.types)}
-    return plans, cost
-
-
-def solve_time_32(device: torch.device, args: argparse.Namespace) -> float:
-    """Seconds to solve one budget for a 32-layer stack (a GPT of the benchmark's width, profiled
-    and probed first: only the programme is timed)."""
-    model, batches = build("gpt", argparse.Namespace(**{**vars(args), "gpt_layers": 32, "seq": 64}), device)
-    batch = batches(0)
-    prober = active_prober()
-    profile = prober.profile_step(list(model.layers), lambda: model(*batch).backward())
-    planner = Planner(list(model.layers), profile, prober)
-    minimum = planner.min_budget()[0]
-    budget = (minimum + planner.reference_peak()) // 2
-    planner.plan(budget)  # (probes what it uses)
-    problem, _ = planner._problem()
-    t0 = time.perf_counter()
-    solver.solve(problem, budget)
-    return time.perf_counter() - t0
+    return plans, {"step_fn_calls": calls[0], "profile_s": t1 - t0, "probe_and_plan_s": t2 - t1,
+                   "probes": planner.probes, "solve_s_per_budget": (time.perf_counter() - t3) / len(budgets),
+                   "layers": len(layers), "min_budget_bytes": minimum, "reference_peak_bytes": reference,
+                   "layer_types": len(profile.types)}
 
 
 def plan_recipe(plan: MemoryPlan, name: str) -> Recipe:
     text = plan.to_json()
 
     def apply(model: nn.Module, device: torch.device, threshold: Optional[int]) -> None:
-        MemoryPlan.from_json(text, list(model.layers)).apply()
+        MemoryPlan.from_json(text, model).apply()  # (the model: a Hugging Face one turns its cache off above)
 
     return Recipe(name, "ours", f"plan_memory at {format_bytes(plan.budget_bytes)}", apply, offloads=plan.swaps)
 
 
-def sac_ilp_recipes(model: nn.Module, batches: Callable[[int], tuple], budgets: List[int],
-                    log: Callable[[str], None]) -> Dict[str, Recipe]:
-    """PyTorch's sac_ilp plan at each budget, as recipes, from one profile of the model (none
-    without ``pulp``: ``pip install -e '.[sac]'``). Its budget counts the model's parameters and
-    buffers as the runner's meter does (``baseline_bytes``); a budget below its own minimum is
-    skipped with that minimum."""
-    ok, why = sac_ilp_available()
-    if not ok:
-        log(f"sac_ilp: skipped ({why})")
-        return {}
+def sac_ilp_recipes(model: nn.Module, batches: Callable[[int], Any], budgets: List[int]) -> Dict[str, Recipe]:
+    """PyTorch's sac_ilp plan at each budget as recipes, from one profile (none without the ``sac`` extra); its budget
+    counts parameters and buffers as the harness's meter does; a budget below its minimum is skipped with it."""
+    from torch_sac_ilp import SacIlpUnavailable, profile_sac_ilp, sac_ilp_recipe
+
     t0 = time.perf_counter()
-    profile = profile_sac_ilp(model, batches(0))
-    log(f"sac_ilp: profiled in {time.perf_counter() - t0:.1f} s")
-    static = runner.module_bytes(model)
+    try:
+        profile = profile_sac_ilp(model, batches(0))
+    except SacIlpUnavailable as exc:
+        print(f"sac_ilp: skipped ({exc.reason})")
+        return {}
+    print(f"sac_ilp: profiled in {time.perf_counter() - t0:.1f} s")
+    static = harness.module_bytes(model)
     return {f"sac_ilp@{k}": sac_ilp_recipe(b, batches(0), profile=profile, name=f"sac_ilp@{k}", baseline_bytes=static)
             for k, b in enumerate(budgets)}
 
 
-# ------------------------------------------------------------------------------ one model
-def run_model(name: str, args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+def run_model(name: str, args, device: torch.device) -> Dict[str, Any]:
     model, batches = build(name, args, device)
-    print(f"\n== {name}: {len(model.layers)} layers, batch {args.batch}, seq {args.seq}")
-    plans, cost = plan_budgets(model, batches, args.budgets, device)
+    print(f"\n== {name} ({type(model).__name__}): {len(layer_stack(model))} layers, batch {args.batch}, seq {args.seq}")
+    plans, cost = plan_budgets(model, batches, args.budgets)
     print(f"planning: {cost['step_fn_calls']} step_fn calls, profile {cost['profile_s']:.1f} s, "
           f"{cost['probes']} probes + {len(plans)} plans {cost['probe_and_plan_s']:.1f} s, "
           f"solving {cost['solve_s_per_budget'] * 1e3:.0f} ms per budget")
     recipes: Dict[str, Recipe] = {n: RECIPES[n] for n in FIXED}
-    for k, plan in enumerate(plans):
-        recipes[f"plan@{k}"] = plan_recipe(plan, f"plan@{k}")
-    sac = sac_ilp_recipes(model, batches, [p.budget_bytes for p in plans], print) if args.sac_ilp else {}
+    recipes.update({f"plan@{k}": plan_recipe(plan, f"plan@{k}") for k, plan in enumerate(plans)})
+    sac = sac_ilp_recipes(model, batches, [p.budget_bytes for p in plans]) if args.sac_ilp else {}
     recipes.update(sac)
     SwapManager().reset()
-    result = runner.run_variants(list(recipes), batch=args.batch, device=device, rounds=args.rounds, warmup=1,
-                                 lr=1e-3, seed=args.seed, base_model=model, batches=batches, recipes=recipes)
+    result = harness.run_variants(list(recipes), device=device, rounds=args.rounds, warmup=1, lr=1e-3, seed=args.seed,
+                                  base_model=model, batches=batches, recipes=recipes)
     rows: Dict[str, Dict[str, Any]] = {}
     for n, v in result.variants.items():
-        row = runner.summarize(v, recipes)
-        row["fwd_bwd_peak_bytes"] = max(v.phases[p]["peak"] for p in ("forward", "backward"))
-        rows[n] = row
+        rows[n] = harness.summarize(v, recipes)
+        rows[n]["fwd_bwd_peak_bytes"] = max(v.phases[p]["peak"] for p in ("forward", "backward"))
     for k, plan in enumerate(plans):
-        row = rows.get(f"plan@{k}")
-        if row is not None:
-            row.update(budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
-                       predicted_step_s=plan.predicted_step_s, lower_bound_step_s=plan.lower_bound_step_s,
-                       options=[c.option.name() for c in plan.choices])
-    for k, key in enumerate(sorted(sac)):
+        if f"plan@{k}" in rows:
+            rows[f"plan@{k}"].update(budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
+                                     predicted_step_s=plan.predicted_step_s, lower_bound_step_s=plan.lower_bound_step_s,
+                                     options=[c.option.name() for c in plan.choices])
+    for key in sac:
         if key in rows:
             rows[key]["budget_bytes"] = plans[int(key.split("@")[1])].budget_bytes
-    checks = check(rows, plans, cost)
+    checks = check(rows, len(plans), cost)
     print_table(rows)
     for line in checks["lines"]:
         print(line)
     return {"model": name, "planning": cost, "rows": rows, "skipped": result.skipped, "errors": result.errors,
-            "checks": checks["passed"]}
+            "checks": checks["passed"], "summary": checks["summary"]}
 
 
-def check(rows: Dict[str, Dict[str, Any]], plans: List[MemoryPlan], cost: Dict[str, Any]) -> Dict[str, Any]:
-    """The issue's targets, row by row."""
-    lines, passed = [], {}
-    planned = [(k, rows[f"plan@{k}"]) for k in range(len(plans)) if f"plan@{k}" in rows]
-    fixed = {n: r for n, r in rows.items() if not n.startswith("plan@")}
+def check(rows: Dict[str, Dict[str, Any]], count: int, cost: Dict[str, Any]) -> Dict[str, Any]:
+    """The targets, row by row, and the model's line of the summary."""
+    planned = [(k, rows[f"plan@{k}"]) for k in range(count) if f"plan@{k}" in rows]
+    others = {n: r for n, r in rows.items() if not n.startswith("plan@")}
 
-    def verdict(name: str, ok: bool, detail: str) -> None:
-        passed[name] = ok
-        lines.append(f"  [{'ok' if ok else 'MISS'}] {name}: {detail}")
+    def fastest_fitting(r: Dict[str, Any], names) -> Tuple[str, float]:
+        return min(((n, others[n]["step_time_s"]) for n in names if n in others
+                    and others[n]["fwd_bwd_peak_bytes"] <= r["budget_bytes"]), key=lambda x: x[1], default=(None, None))
 
-    over = [(k, r) for k, r in planned if r["fwd_bwd_peak_bytes"] > r["budget_bytes"]]
-    verdict("peak within budget", not over,
-            "every plan" if not over else ", ".join(f"plan@{k} {fmt(r['fwd_bwd_peak_bytes'] / MiB)} > "
-                                                    f"{fmt(r['budget_bytes'] / MiB)} MiB" for k, r in over))
+    over = [f"plan@{k} {fmt(r['fwd_bwd_peak_bytes'] / MiB)} > {fmt(r['budget_bytes'] / MiB)} MiB" for k, r in planned
+            if r["fwd_bwd_peak_bytes"] > r["budget_bytes"]]
     times = [r["step_time_s"] for _, r in planned]
-    monotone = all(b <= a * NOISE for a, b in zip(times, times[1:]))
-    verdict("time non-increasing in the budget", monotone, " ".join(f"{t * 1e3:.1f}" for t in times) + " ms")
-    slow = []
+    slow, vs_fixed = [], []
     for k, r in planned:
-        fits = [(n, f["step_time_s"]) for n, f in fixed.items() if f["fwd_bwd_peak_bytes"] <= r["budget_bytes"]]
-        if fits:
-            best_n, best_t = min(fits, key=lambda x: x[1])
-            ratio = r["step_time_s"] / best_t
-            r["vs_fastest_fitting"] = {"name": best_n, "ratio": ratio}
-            if ratio > NOISE:
-                slow.append(f"plan@{k} {ratio:.2f}x {best_n}")
-    verdict("<= 1.03x the fastest fitting recipe / sac_ilp plan", not slow, ", ".join(slow) or "at every budget")
-    if planned and "none" in rows:
-        top = planned[-1][1]["step_time_s"] / rows["none"]["step_time_s"]
-        verdict("at the no-checkpoint peak <= 1.03x none", top <= NOISE, f"{top:.3f}x")
-    t_err = [abs(r["predicted_step_s"] / r["step_time_s"] - 1) for _, r in planned]
-    p_err = [abs(r["predicted_peak_bytes"] / r["fwd_bwd_peak_bytes"] - 1) for _, r in planned]
-    verdict("predicted time within 10%", max(t_err, default=0) <= 0.10, f"worst {100 * max(t_err, default=0):.1f}%")
-    verdict("predicted peak within 5%", max(p_err, default=0) <= 0.05, f"worst {100 * max(p_err, default=0):.1f}%")
-    verdict("profiling <= 2 step_fn calls", cost["step_fn_calls"] <= 2, f"{cost['step_fn_calls']}")
-    exact = [n for n, r in rows.items() if r.get("grads_equal_to_none") is False]
+        name, best = fastest_fitting(r, others)
+        if name:
+            r["vs_fastest_fitting"] = {"name": name, "ratio": r["step_time_s"] / best}
+            slow += [f"plan@{k} {r['step_time_s'] / best:.2f}x {name}"] if r["step_time_s"] / best > NOISE else []
+        name, best = fastest_fitting(r, FIXED)
+        vs_fixed += [r["step_time_s"] / best] if name else []
+    top = planned[-1][1]["step_time_s"] / rows["none"]["step_time_s"] if planned and "none" in rows else None
+    t_err = [r["predicted_step_s"] / r["step_time_s"] - 1 for _, r in planned]
+    p_err = [r["predicted_peak_bytes"] / r["fwd_bwd_peak_bytes"] - 1 for _, r in planned]
+    worst_t, worst_p = max(map(abs, t_err), default=0), max(map(abs, p_err), default=0)
     losses = rows.get("none", {}).get("losses")
-    diverged = [n for n, r in rows.items() if losses is not None and r["losses"] != losses]
-    verdict("losses and gradients bitwise equal to none", not exact and not diverged,
-            ", ".join(exact + diverged) or "every row")
-    return {"lines": lines, "passed": passed}
+    differ = [n for n, r in rows.items() if r.get("grads_equal_to_none") is False
+              or (losses is not None and r["losses"] != losses)]
+    verdicts = [("peak within budget", not over, ", ".join(over) or "every plan"),
+                ("time non-increasing in the budget", all(b <= a * NOISE for a, b in zip(times, times[1:])),
+                 " ".join(f"{t * 1e3:.1f}" for t in times) + " ms"),
+                ("<= 1.03x the fastest fitting recipe / sac_ilp plan", not slow, ", ".join(slow) or "at every budget"),
+                ("at the no-checkpoint peak <= 1.03x none", top is not None and top <= NOISE, f"{top or 0:.3f}x"),
+                ("predicted time within 10%", worst_t <= 0.10, f"worst {100 * worst_t:.1f}%"),
+                ("predicted peak within 5%", worst_p <= 0.05, f"worst {100 * worst_p:.1f}%"),
+                ("profiling <= 2 step_fn calls", cost["step_fn_calls"] <= 2, f"{cost['step_fn_calls']}"),
+                ("losses and gradients bitwise equal to none", not differ, ", ".join(differ) or "every row")]
+    summary = {"within": len(planned) - len(over), "plans": len(planned), "peak_error": max(p_err, key=abs, default=0),
+               "time_error": max(t_err, key=abs, default=0), "bitwise": not differ,
+               "vs_fixed": (min(vs_fixed), max(vs_fixed)) if vs_fixed else None}
+    return {"lines": [f"  [{'ok' if ok else 'MISS'}] {name}: {detail}" for name, ok, detail in verdicts],
+            "passed": {name: ok for name, ok, _ in verdicts}, "summary": summary}
 
 
 def print_table(rows: Dict[str, Dict[str, Any]]) -> None:
-    header = ("row", "budget MiB", "peak MiB", "pred MiB", "err", "step ms", "pred ms", "err", "lower ms", "options")
     table = []
     for n, r in rows.items():
-        budget = r.get("budget_bytes")
-        pred, pt = r.get("predicted_peak_bytes"), r.get("predicted_step_s")
-        opts = r.get("options")
+        budget, pred, pt, opts = (r.get(k) for k in ("budget_bytes", "predicted_peak_bytes", "predicted_step_s",
+                                                     "options"))
+        counts = collections.Counter(opts or ())
         table.append((n, fmt(budget / MiB) if budget else "", fmt(r["fwd_bwd_peak_bytes"] / MiB),
                       fmt(pred / MiB) if pred else "",
                       f"{100 * (pred / r['fwd_bwd_peak_bytes'] - 1):+.1f}%" if pred else "",
                       fmt(r["step_time_s"] * 1e3), fmt(pt * 1e3) if pt else "",
                       f"{100 * (pt / r['step_time_s'] - 1):+.1f}%" if pt else "",
                       fmt(r["lower_bound_step_s"] * 1e3) if r.get("lower_bound_step_s") else "",
-                      _options(opts) if opts else r["description"][:48]))
-    print(report.table(header, table, "lrrrrrrrrl"))
+                      ", ".join(f"{c}x {o}" for o, c in counts.items()) if opts else r["description"][:48]))
+    print(report.table(("row", "budget MiB", "peak MiB", "pred MiB", "err", "step ms", "pred ms", "err", "lower ms",
+                        "options"), table, "lrrrrrrrrl"))
 
 
-def _options(names: List[str]) -> str:
-    counts: Dict[str, int] = {}
-    for n in names:
-        counts[n] = counts.get(n, 0) + 1
-    return ", ".join(f"{c}x {n}" for n, c in counts.items())
+def print_summary(models: List[Dict[str, Any]]) -> None:
+    """One line per model: the table the docs quote."""
+    rows = []
+    for m in models:
+        s = m["summary"]
+        rows.append([m["model"], f"{s['within']} of {s['plans']}", f"{100 * s['peak_error']:+.1f}%",
+                     f"{100 * s['time_error']:+.1f}%",
+                     "-" if s["vs_fixed"] is None else "%.2f-%.2fx" % s["vs_fixed"], "yes" if s["bitwise"] else "NO"])
+    print("\nsummary: plans within budget (measured); worst prediction errors, predicted / measured - 1; plan step "
+          "time / the fastest fixed recipe whose peak fits its budget; every row bitwise like none")
+    print(report.table(["model", "within budget", "peak error", "time error", "plan / best fitting fixed",
+                        "bitwise"], rows, "llrrrl"))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="gpt,postln,llama", help="comma-separated: gpt, postln, llama")
+    ap = report.script_parser(__doc__)
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, default all: {', '.join(MODELS)}")
     ap.add_argument("--budgets", type=int, default=8, help="budgets per model (default 8)")
     ap.add_argument("--rounds", type=int, default=5, help="timed steps per row (default 5)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--gpt-layers", type=int, default=8)
-    ap.add_argument("--gpt-dim", type=int, default=128)
-    ap.add_argument("--postln-layers", type=int, default=16)
-    ap.add_argument("--postln-dim", type=int, default=128)
-    ap.add_argument("--llama-layers", type=int, default=8)
-    ap.add_argument("--llama-dim", type=int, default=128)
+    for name, layers, dim in (("gpt", 8, 128), ("postln", 16, 128)):
+        ap.add_argument(f"--{name}-layers", type=int, default=layers)
+        ap.add_argument(f"--{name}-dim", type=int, default=dim)
+    ap.add_argument("--hf-layers", "--llama-layers", type=int, default=8, help="Hugging Face models' layers")
+    ap.add_argument("--hf-dim", "--llama-dim", type=int, default=128, help="Hugging Face models' width")
     ap.add_argument("--no-sac-ilp", dest="sac_ilp", action="store_false", help="leave PyTorch's sac_ilp out")
     ap.add_argument("--no-solve-32", dest="solve_32", action="store_false", help="skip the 32-layer solve timing")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: steadier on a shared CPU)")
-    ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG of step time against measured peak (needs matplotlib)")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    if args.plot:
-        ok, why = report.have_matplotlib()
-        if not ok:
-            ap.error(f"--plot needs matplotlib: {why}")
-    torch.set_num_threads(args.threads)
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    if args.budgets < 1 or args.hf_dim % 4:
+        ap.error("--budgets must be >= 1 and --hf-dim a multiple of the 4 heads")
+    if args.plot and not report.have_matplotlib()[0]:
+        ap.error(f"--plot needs matplotlib: {report.have_matplotlib()[1]}")
+    device, _ = report.script_setup(args, ap)
     doc: Dict[str, Any] = {"environment": report.environment(device), "models": []}
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+    for name in names:
         doc["models"].append(run_model(name, args, device))
         SwapManager().reset()
-    if args.solve_32:
-        doc["solve_32_layers_s"] = solve_time_32(device, args)
+    print_summary(doc["models"])
+    if args.solve_32:  # (one budget's solving for a 32-layer GPT of the benchmark's width)
+        deep = copy.copy(args)
+        deep.gpt_layers, deep.seq = 32, 64
+        doc["solve_32_layers_s"] = plan_budgets(*build("gpt", deep, device), 3)[1]["solve_s_per_budget"]
         print(f"\nsolving one budget for 32 layers: {doc['solve_32_layers_s'] * 1e3:.0f} ms "
               f"[{'ok' if doc['solve_32_layers_s'] < 2 else 'MISS'}: < 2 s]")
     if args.json:

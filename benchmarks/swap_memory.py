@@ -1,31 +1,15 @@
-"""Peak memory at every phase of one training step, swap against recompute and save_on_cpu (issue 12).
-
-Two models: the bench GPT (``hyper_parallel.bench.model.GPT``, ``python -m hyper_parallel.bench``'s
-default shape) and a post-LN transformer with ``nn.MultiheadAttention`` and a ReLU feed-forward block
-(``hyper_parallel.bench.postln``, the original HyperParallel test shape scaled down for a CPU). The
-rows are ``MEMORY_VARIANTS``, recipes of ``hyper_parallel.bench.modes`` (the legend prints what each
-wraps): ``none``, ``ours_recompute``, ``ours_ckpt_swap`` (matmul outputs and the layer input
-swapped, the rest recomputed), ``ours_swap_wrapper`` and ``save_on_cpu`` (on CPU its host copies
-are made and marked as host memory and every reload is a new tensor, as for every offloading row).
-
-The shared runner gives each row its own copy of the model (SGD, no optimizer state), ``--warmup``
-steps and then one metered step: the peak and the live bytes at the end of the forward, the
-backward and the optimizer step. Memory = parameters + buffers + what the step added (CPU: live
-CPU storages counted by ``MemoryMeter``, host copies excluded; accelerators: the allocator's
-counters). The lower bound is an estimate: parameters + buffers + gradients + the largest saved
-activations of one layer (measured on an unwrapped forward). Targets (issue 12): at every phase
-the swap rows <= recompute; their step peak <= 1.15x save_on_cpu's.
-
-Run::
+"""Peak memory at every phase of one training step, swap against recompute and save_on_cpu, on the bench GPT and a
+post-LN ``nn.MultiheadAttention`` transformer: ``MEMORY_VARIANTS`` on the benchmark harness, one metered step each (peak
+and live bytes at the end of forward, backward and optimizer step). Lower bound (an estimate): parameters + buffers +
+gradients + one layer's largest saved activations. Targets: the swap rows <= recompute at every phase, their step peak
+<= 1.15x save_on_cpu's. Run::
 
     python benchmarks/swap_memory.py                        # both models, CPU defaults
     python benchmarks/swap_memory.py --models postln --postln-layers 16 --postln-dim 512
-    python benchmarks/swap_memory.py --device cuda --json out.json
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import sys
@@ -35,44 +19,33 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from hyper_parallel.bench import report, runner  # noqa: E402
+from hyper_parallel.bench import harness, report  # noqa: E402
 from hyper_parallel.bench.model import GPT, GPTConfig, make_batch  # noqa: E402
 from hyper_parallel.bench.modes import MEMORY_VARIANTS, RECIPES  # noqa: E402
 from hyper_parallel.bench.postln import PostLNConfig, PostLNTransformer  # noqa: E402
 from hyper_parallel.bench.report import MiB, fmt, ratio  # noqa: E402
 
 SWAP_ROWS = ("ours_ckpt_swap", "ours_swap_wrapper")
+PHASE_COLUMNS = (("forward", "peak"), ("forward", "end"), ("backward", "peak"), ("backward", "end"),
+                 ("optimizer", "peak"))
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def _parser():
+    ap = report.script_parser(__doc__)
     ap.add_argument("--models", default="gpt,postln", help="comma-separated: gpt, postln (default both)")
-    ap.add_argument("--variants", default=",".join(MEMORY_VARIANTS),
+    ap.add_argument("--variants", default=None,
                     help="comma-separated recipes (default: %s; 'none' always runs)" % ",".join(MEMORY_VARIANTS))
     g = ap.add_argument_group("bench GPT (defaults: python -m hyper_parallel.bench's)")
-    g.add_argument("--gpt-layers", type=int, default=8)
-    g.add_argument("--gpt-dim", type=int, default=128)
-    g.add_argument("--gpt-heads", type=int, default=4)
-    g.add_argument("--gpt-seq", type=int, default=256)
-    g.add_argument("--gpt-batch", type=int, default=4)
-    g.add_argument("--gpt-dropout", type=float, default=0.1)
     p = ap.add_argument_group("post-LN transformer")
-    p.add_argument("--postln-layers", type=int, default=16)
-    p.add_argument("--postln-dim", type=int, default=256)
-    p.add_argument("--postln-heads", type=int, default=4)
-    p.add_argument("--postln-seq", type=int, default=128)
-    p.add_argument("--postln-batch", type=int, default=4)
+    for group, prefix, sizes, dropout in ((g, "gpt", (8, 128, 4, 256, 4), .1), (p, "postln", (16, 256, 4, 128, 4), 0.)):
+        for name, default in zip(("layers", "dim", "heads", "seq", "batch"), sizes):
+            group.add_argument(f"--{prefix}-{name}", type=int, default=default)
+        group.add_argument(f"--{prefix}-dropout", type=float, default=dropout)
     p.add_argument("--postln-mlp-ratio", type=int, default=4)
-    p.add_argument("--postln-dropout", type=float, default=0.0)
     p.add_argument("--postln-sdpa", action="store_true",
                    help="need_weights=False: attention through scaled_dot_product_attention (default: bmm + softmax)")
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--warmup", type=int, default=1, help="unmetered steps per mode first (default 1)")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default 1 on CPU)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     return ap
 
 
@@ -90,10 +63,10 @@ def _model(name: str, args) -> Tuple[torch.nn.Module, GPTConfig, int]:
 
 
 def lower_bound(model: torch.nn.Module, batch: Tuple[torch.Tensor, ...]) -> Dict[str, Any]:
-    """Parameters + buffers + gradients + the largest saved activations of one layer (an estimate
-    of the least any schedule must hold)."""
-    per_layer = runner.saved_bytes_per_layer(copy.deepcopy(model), batch)
-    bound = {"static_bytes": runner.module_bytes(model), "grad_bytes": runner.grad_bytes(model),
+    """Parameters + buffers + gradients + the largest saved activations of one layer (an estimate of the least any
+    schedule must hold)."""
+    per_layer = harness.saved_bytes_per_layer(copy.deepcopy(model), batch)
+    bound = {"static_bytes": harness.module_bytes(model), "grad_bytes": harness.grad_bytes(model),
              "layer_saved_bytes": max(per_layer, default=0), "saved_bytes_per_layer": per_layer}
     bound["lower_bound_bytes"] = bound["static_bytes"] + bound["grad_bytes"] + bound["layer_saved_bytes"]
     return bound
@@ -104,7 +77,7 @@ def _targets(rows: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
     rec, soc = rows.get("ours_recompute"), rows.get("save_on_cpu")
     for m in [m for m in SWAP_ROWS if m in rows]:
         if rec is not None:
-            r = {ph: ratio(rows[m]["phases"][ph]["peak"], rec["phases"][ph]["peak"]) for ph in runner.PHASES}
+            r = {ph: ratio(rows[m]["phases"][ph]["peak"], rec["phases"][ph]["peak"]) for ph in harness.PHASES}
             out.append({"target": f"{m} peak <= ours_recompute's at every phase",
                         "ok": all(v <= 1.0 for v in r.values()),
                         "detail": ", ".join(f"{ph} {v:.2f}x" for ph, v in r.items())})
@@ -122,14 +95,12 @@ def _print_model(name: str, cfg, batch: int, res: Dict[str, Any]) -> None:
     rec, soc = rows.get("ours_recompute"), rows.get("save_on_cpu")
     table = []
     for n, r in rows.items():
-        ph, above = r["phases"], (r["peak_bytes"] - bound["lower_bound_bytes"]) / max(1, bound["layer_saved_bytes"])
+        above = (r["peak_bytes"] - bound["lower_bound_bytes"]) / max(1, bound["layer_saved_bytes"])
         eq = "baseline" if n == "none" else {True: "yes", False: "NO", None: "-"}[r["loss_equal_to_none"]]
-        table.append([n] + ["%.1f" % (ph[p][k] / MiB) for p, k in (("forward", "peak"), ("forward", "end"),
-                                                                     ("backward", "peak"), ("backward", "end"),
-                                                                     ("optimizer", "peak"))]
-                     + ["%.1f" % (r["peak_bytes"] / MiB),
-                        fmt(ratio(r["peak_bytes"], rec and rec["peak_bytes"]), "%.2fx"),
-                        fmt(ratio(r["peak_bytes"], soc and soc["peak_bytes"]), "%.2fx"), "%.2f" % above, eq])
+        sizes = [r["phases"][p][k] for p, k in PHASE_COLUMNS] + [r["peak_bytes"]]
+        table.append([n] + ["%.1f" % (x / MiB) for x in sizes]
+                     + [fmt(ratio(r["peak_bytes"], other and other["peak_bytes"]), "%.2fx") for other in (rec, soc)]
+                     + ["%.2f" % above, eq])
     print(report.table(header, table, align="l" + "r" * (len(header) - 1)))
     print(report.legend([(n, RECIPES[n].what) for n in rows]))
     print(f"lower bound (estimate) {bound['lower_bound_bytes'] / MiB:.1f} MiB = params+buffers "
@@ -143,39 +114,28 @@ def _print_model(name: str, cfg, batch: int, res: Dict[str, Any]) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _parser().parse_args(argv)
-    names = list(dict.fromkeys(["none"] + [n.strip() for n in args.variants.split(",") if n.strip()]))
-    bad = [n for n in names if n not in RECIPES]
-    if bad:
-        _parser().error(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(RECIPES)}")
-    device = torch.device(args.device)
-    if args.threads is None and device.type == "cpu":
-        args.threads = 1
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    parser = _parser()
+    args = parser.parse_args(argv)
+    names = report.variant_names(args.variants, MEMORY_VARIANTS, RECIPES, parser)
+    device, dtype = report.script_setup(args, parser)
     print(f"swap_memory on {device}, torch {torch.__version__}, dtype {args.dtype}, {torch.get_num_threads()} "
-          f"thread(s); warmup {args.warmup}, 1 metered step per variant; load average "
-          + ("-" if load is None else " ".join("%.2f" % v for v in load)), flush=True)
-    doc: Dict[str, Any] = {"kind": "swap_memory", "environment": report.environment(device), "load_average": load,
-                           "config": vars(args), "models": {}}
+          f"thread(s); warmup {args.warmup}, 1 metered step per variant; load average {report.load_average()}",
+          flush=True)
+    doc: Dict[str, Any] = {"kind": "swap_memory", "environment": report.environment(device),
+                           "load_average": report.load_average(), "config": vars(args), "models": {}}
     failed = mismatch = False
     for name in [n.strip() for n in args.models.split(",") if n.strip()]:
         model, cfg, bsz = _model(name, args)
         model = model.to(device=device, dtype=dtype)
         bound = lower_bound(model, make_batch(cfg, bsz, args.seed, device=device))
-        with runner.released_caches(device):
-            run = runner.run_variants(names, cfg, batch=bsz, device=device, dtype=dtype, rounds=0, warmup=args.warmup,
-                                      lr=0.05, seed=args.seed, base_model=model, log=lambda s: None)
-        rows = {n: runner.summarize(v) for n, v in run.variants.items()}
-        base = rows.get("none")
-        for r in rows.values():
-            r["loss_equal_to_none"] = None if base is None else report.loss_check(
-                r["losses"], base["losses"], device.type == "cpu", 1e-5)["equal"]
+        with harness.released_caches(device):
+            run = harness.run_variants(names, cfg, batch=bsz, device=device, dtype=dtype, rounds=0,
+                                       warmup=args.warmup, lr=0.05, seed=args.seed, base_model=model,
+                                       log=lambda s: None)
+        rows = {n: harness.summarize(v) for n, v in run.variants.items()}
+        report.compare_losses(rows, device.type == "cpu", 1e-5)
         res = {"results": rows, "errors": {**run.skipped, **run.errors}, "bound": bound,
-               "config": {**cfg.to_dict(), "batch": bsz}}
-        res["targets"] = _targets(rows)
+               "config": {**cfg.to_dict(), "batch": bsz}, "targets": _targets(rows)}
         _print_model(name, cfg, bsz, res)
         doc["models"][name] = res
         failed |= bool(res["errors"])

@@ -1,6 +1,6 @@
 """The mode-comparison bench (python -m hyper_parallel.bench) and the shared benchmark pieces it is
-built from: the recipe registry (bench.modes), the timer (bench.timing), the reporter (bench.report)
-and the in-process runner (bench.runner). No timing assertions: a smoke test checks that a stage ran
+built from: the recipe registry (bench.modes), the harness (bench.harness: build, step, meter, time,
+variants side by side) and the reporter (bench.report). No timing assertions: a smoke test checks that a stage ran
 and what it printed, not how fast."""
 
 import json
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hyper_parallel.bench import __main__ as bench
-from hyper_parallel.bench import report, runner, timing
+from hyper_parallel.bench import harness, report
 from hyper_parallel.bench.model import GPT, GPTConfig
 from hyper_parallel.bench.modes import (
     MATMUL_OPS,
@@ -20,7 +20,6 @@ from hyper_parallel.bench.modes import (
     MODES,
     PEER_VARIANTS,
     RECIPES,
-    RECOMPUTE_VS_TORCH,
     SWAP_WRAPPER_MODES,
     SWAP_WRAPPER_RECIPES,
     apply_mode,
@@ -269,7 +268,7 @@ def test_legend_and_reading():
 
 def test_every_suite_names_recipes():
     assert set(MODE_RECIPES) == set(MODES) and set(SWAP_WRAPPER_RECIPES) == set(SWAP_WRAPPER_MODES)
-    for suite in (MODE_RECIPES, SWAP_WRAPPER_RECIPES, RECOMPUTE_VS_TORCH):
+    for suite in (MODE_RECIPES, SWAP_WRAPPER_RECIPES):
         assert set(suite.values()) <= set(RECIPES)
     assert set(PEER_VARIANTS) <= set(RECIPES) and PEER_VARIANTS[0] == "none"
     assert MODE_RECIPES["swap"] == "ours_ckpt_swap"  # the same recipe in the bench and compare_peers
@@ -279,13 +278,14 @@ def test_every_suite_names_recipes():
 
 
 def test_interleaved_order_reverses_every_other_round():
-    assert list(timing.interleaved(["a", "b", "c"], 3)) == [
+    assert list(harness.interleaved(["a", "b", "c"], 3)) == [
         (0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"), (2, "a"), (2, "b"), (2, "c")]
-    assert timing.median([3.0, 1.0, 2.0]) == 2.0 and timing.median([]) is None
-    timing.synchronize("cpu")
-    timing.synchronize(None)
-    value, seconds = timing.timed(lambda: 7, "cpu")
-    assert value == 7 and seconds >= 0
+    assert harness.median([3.0, 1.0, 2.0]) == 2.0 and harness.median([]) is None
+    harness.synchronize("cpu")
+    harness.synchronize(None)
+    with harness.timed("cpu") as elapsed:
+        first = elapsed()
+    assert elapsed() >= first >= 0
 
 
 def test_report_table_loss_check_and_json(tmp_path):
@@ -304,10 +304,10 @@ def test_report_table_loss_check_and_json(tmp_path):
 @pytest.mark.slow
 def test_every_recipe_runs_side_by_side_with_equal_losses():
     """Every recipe of the registry (the bench's modes, compare_peers' variants, the torchtune ones
-    skipped off CUDA) in the shared runner: equal losses, bytes moved only by the offloading ones."""
+    skipped off CUDA) side by side on the harness: equal losses, bytes moved only by the offloading ones."""
     cfg = GPTConfig(vocab=64, dim=32, heads=2, layers=3, seq=16, dropout=0.0)
     logs = []
-    run = runner.run_variants(list(RECIPES), cfg, batch=2, device=torch.device("cpu"), dtype=torch.float32,
+    run = harness.run_variants(list(RECIPES), cfg, batch=2, device=torch.device("cpu"), dtype=torch.float32,
                               rounds=1, warmup=0, lr=0.05, seed=0, log=logs.append)
     assert not run.errors, run.errors
     assert set(run.skipped) == {"torchtune_offload", "torchtune_offload_ckpt"}, run.skipped
@@ -318,5 +318,5 @@ def test_every_recipe_runs_side_by_side_with_equal_losses():
         moved = v.moved["d2h"] > 0 and v.moved["h2d"] > 0
         # (the policy's default 4 MiB threshold is above every tensor of this tiny model)
         assert moved == (RECIPES[name].offloads and name != "ours_attn_swap_policy"), (name, v.moved)
-        row = runner.summarize(v)
+        row = harness.summarize(v)
         assert row["who"] == RECIPES[name].who and row["step_time_s"] == v.times[0]

@@ -140,13 +140,13 @@ def test_compare_peers_rejects_unknown_variant(tmp_path):
 
 @pytest.mark.slow
 def test_recompute_vs_torch_tiny(tmp_path):
+    """Recompute against PyTorch's (whole-layer and selective), weights fixed: compare_peers' headline ratios."""
     out = tmp_path / "rvt.json"
-    proc, report = _run([sys.executable, os.path.join(BENCH, "recompute_vs_torch.py"), "--layers", "2",
-                         "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--rounds", "2",
-                         "--warmup", "1", "--json", str(out)], tmp_path)
+    proc, report = _run([sys.executable, os.path.join(BENCH, "compare_peers.py"), "--variants",
+                         "torch_ckpt,ours_recompute,torch_sac,ours_save", "--lr", "0", "--layers", "2", "--dim", "32",
+                         "--heads", "2", "--seq", "16", "--batch", "2", "--rounds", "2", "--json", str(out)], tmp_path)
     assert proc.returncode == 0, report
-    doc = json.loads(out.read_text())
-    assert set(doc["ratios"]) == {"full", "selective"}
-    assert set(doc["median_s"]) == {"torch_full", "ours_full", "torch_sac", "ours_sac"}
-    assert all(v > 0 for v in doc["median_s"].values())
-    assert "ratio full recompute" in proc.stdout and "ratio selective (SAC)" in proc.stdout
+    per_variant = json.loads(out.read_text())["headline"]["per_variant"]
+    assert per_variant["ours_recompute"]["counterparts"]["torch_ckpt"]["time_ratio"] > 0
+    assert per_variant["ours_save"]["counterparts"]["torch_sac"]["time_ratio"] > 0
+    assert "vs torch_ckpt: peak 1.00x" in proc.stdout and "vs torch_sac: peak 1.00x" in proc.stdout

@@ -1,7 +1,7 @@
 """The RFC's own self-test, on CPU.
 
 Each of the seven modes trains the built-in GPT-like model (dropout, layer norm, a causal mask
-buffer passed to every layer) for three Adam steps in its own subprocess; every step's loss must
+buffer passed to every layer) for three training steps in its own subprocess; every step's loss must
 equal the ``none`` baseline bitwise, and the peak device memory measured by ``MemoryMeter`` must
 order as ``none > save > recompute`` with ``swap`` within 30% of ``recompute`` and below ``save``.
 The mixed wrappings of the RFC's test scope run in-process.

@@ -1,6 +1,6 @@
 """Smoke tests of benchmarks/swap_overhead.py and benchmarks/swap_memory.py (issue 12's measurements)
-at tiny size, and of the pieces of the shared bench they rest on: the copying peers, the runner's
-byte counts (``SwapManager().stats()``), memory per phase and call counts. No timing assertions:
+at tiny size, and of the pieces of the benchmark harness they rest on: the copying peers, the byte
+counts (``SwapManager().stats()``), memory per phase and call counts. No timing assertions:
 the numbers are for docs/benchmarks.md."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import sys
 import pytest
 import torch
 
-from hyper_parallel.bench import runner
+from hyper_parallel.bench import harness
 from hyper_parallel.bench.model import SmallOpsNet
 from hyper_parallel.bench.modes import (MEMORY_VARIANTS, OVERHEAD_VARIANTS, ByteCounter, CopyHooks, HooksLayer,
                                         _torch_policy, sac_host_copy_contexts)
-from hyper_parallel.bench.runner import PhaseMeter, saved_bytes_per_layer
-from hyper_parallel.bench.timing import counting_calls
+from hyper_parallel.bench.harness import counting_calls, saved_bytes_per_layer
+from hyper_parallel.tools.memory import MemoryMeter, mark_host
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -67,11 +67,11 @@ def test_copying_peers_are_bitwise_exact_and_count_what_they_copy():
 
 def _run_small(names, **kw):
     model = SmallOpsNet(blocks=4, dim=8, hidden=16)
-    return runner.run_variants(names, batch=2, device=torch.device("cpu"), rounds=1, warmup=1, lr=0.0, seed=0,
-                               base_model=model, batches=lambda i: model.make_batch(2, i), **kw)
+    return harness.run_variants(names, batch=2, device=torch.device("cpu"), rounds=1, warmup=1, lr=0.0, seed=0,
+                                base_model=model, batches=lambda i: model.make_batch(2, i), **kw)
 
 
-def test_runner_counts_our_bytes_from_the_engine_statistics_and_buckets_cut_the_loads(fresh_manager):
+def test_harness_counts_our_bytes_from_the_engine_statistics_and_buckets_cut_the_loads(fresh_manager):
     """What ours move per step comes from SwapManager().stats(): every byte offloaded comes back
     (swap_wrapper), in one load launch per storage on a CPU build, or per bucket of small storages
     with buckets on; the gradients stay bitwise those of the plain model."""
@@ -97,26 +97,33 @@ def test_peers_mark_their_host_copies_in_the_metered_step_only():
     assert not run["copy_hooks"].counter.mark and not run["save_on_cpu"].counter.mark
 
 
-def test_phase_meter_reads_each_phase_and_leaves_host_buffers_out():
-    """Each phase's peak and end, above the model's own bytes, from the public meter: a buffer
-    marked as host memory right after its allocation counts in no phase, as in MemoryMeter."""
-    from hyper_parallel.tools.memory import mark_host
-
-    model = torch.nn.Linear(4, 4)
-    static = runner.module_bytes(model)
-    with PhaseMeter(torch.device("cpu"), model) as pm:
+def test_phases_from_one_meter_leave_host_buffers_out():
+    """The harness's phases are one MemoryMeter split by reset_peak: each phase's peak and end, and a
+    buffer marked as host memory right after its allocation counts in no phase."""
+    with MemoryMeter("cpu", scan_gc=False) as meter:
+        base = meter.current_bytes
         a = torch.empty(1 << 18)            # 1 MiB, freed in the next phase
-        pm.phase("first")
+        first = meter.reset_peak() - base, meter.current_bytes - base
         b = torch.empty(1 << 16)            # 256 KiB while a is alive
         del a
         host = torch.empty(1 << 20)          # 4 MiB swap copy: host memory
         mark_host(host)
-        pm.phase("second")
+        second = meter.reset_peak() - base, meter.current_bytes - base
         del b
-        pm.phase("third")
-    assert pm.phases["first"] == {"peak": static + (1 << 20), "end": static + (1 << 20)}
-    assert pm.phases["second"] == {"peak": static + (1 << 20) + (1 << 18), "end": static + (1 << 18)}
-    assert pm.phases["third"] == {"peak": static + (1 << 18), "end": static}
+        third = meter.reset_peak() - base, meter.current_bytes - base
+    assert first == (1 << 20, 1 << 20)
+    assert second == ((1 << 20) + (1 << 18), 1 << 18)
+    assert third == (1 << 18, 0)
+
+
+def test_a_metered_step_reads_every_phase_above_the_models_own_bytes():
+    model = SmallOpsNet(blocks=2, dim=8, hidden=16)
+    v = harness.build_variant("none", model, "cpu", lr=0.1)
+    harness.metered_step(v, model.make_batch(64, 0), 0, "cpu")
+    assert list(v.phases) == list(harness.PHASES)
+    assert all(p["peak"] >= p["end"] >= v.static_bytes == harness.module_bytes(model) for p in v.phases.values())
+    assert v.phases["forward"]["end"] > v.phases["optimizer"]["end"]  # the activations are gone after backward
+    assert v.peak_bytes == max(p["peak"] for p in v.phases.values())
 
 
 def _len_each(n):

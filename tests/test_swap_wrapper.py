@@ -29,7 +29,7 @@ BATCH = 2
 
 
 def _run_gpt_mode(mode: str, threshold: int):
-    """3 Adam steps (the bench's recipe); the memory meter wraps the first step only (the CPU
+    """3 Adam steps; the memory meter wraps the first step only (the CPU
     meter costs a Python call per op; every step has the same activation peak)."""
     SwapManager().reset()
     cfg = bench_model.GPTConfig(**GPT_CFG)

@@ -1,24 +1,14 @@
-"""A small GPT-like model for the tests and the mode-comparison bench.
-
-The model is written so that what activation checkpointing and swapping see is
-easy to reason about:
-
-* attention is written by hand (``torch.matmul`` + ``masked_fill`` + softmax),
-  so its matmuls reach the dispatcher as ``aten.mm`` / ``aten.addmm`` /
-  ``aten.bmm`` and can be targeted by a policy function;
-* the causal mask is one registered buffer that ``GPT.forward`` passes, by
-  keyword, to every layer: a tensor shared by all layers, which a swap system
-  must keep on the device;
-* the output head is tied to the token embedding (a parameter used twice);
-* dropout is on by default, so bit-exactness of recompute is tested with RNG.
-
-Everything is deterministic: the parameters come from a private generator
-seeded by ``GPT(cfg, seed=...)``, batches from ``make_batch(cfg, batch, seed)``,
-and ``train_steps`` seeds the global RNG (dropout) from its ``seed``.
+"""A small GPT for the tests and the benchmarks, written so that what recompute and swap see is easy to reason about:
+attention by hand (``torch.matmul`` + ``masked_fill`` + softmax: ``aten.mm`` / ``addmm`` / ``bmm`` reach the dispatcher,
+where a policy can target them); one causal-mask buffer passed by keyword to every layer (a tensor shared by all layers,
+which a swap system must keep on the device); the head tied to the token embedding (a parameter used twice); dropout on
+by default (bit-exactness of recompute tested with RNG). Deterministic: ``GPT(cfg, seed)`` draws from a private
+generator, ``make_batch(cfg, batch, seed)`` likewise, and ``train_steps`` seeds dropout per step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, ClassVar, List, Optional, Tuple
@@ -27,33 +17,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyper_parallel.bench.timing import timed
-
-__all__ = ["GPTConfig", "GPT", "Block", "Attention", "MLP", "make_batch", "train_steps", "ResidualMLP",
-           "SmallOpsNet"]
-
 
 @dataclass
 class GPTConfig:
-    """Shape of the model (checked on construction: every size >= 1, ``dim`` divisible by
-    ``heads``, dropout in [0, 1))."""
+    """Shape of the model: ``vocab`` tokens (the head is tied to their embedding), width ``dim``, ``heads`` attention
+    heads, ``layers`` blocks in ``model.layers``, ``seq`` the longest sequence (the mask buffer is ``(seq, seq)``), the
+    feed-forward's hidden width ``mlp_ratio * dim``, the ``dropout`` of attention and residual branches. Checked: every
+    size >= 1, ``dim`` divisible by ``heads``, dropout in [0, 1)."""
 
     vocab: int = 512
-    """Vocabulary size (token embedding rows; the head is tied to it)."""
     dim: int = 256
-    """Model width."""
     heads: int = 4
-    """Attention heads (``dim // heads`` per head)."""
     layers: int = 4
-    """Transformer blocks in ``model.layers``."""
     seq: int = 256
-    """The maximum (and bench) sequence length; the causal mask buffer is ``(seq, seq)``."""
-    #: the sizes above and ``mlp_ratio`` below, each checked to be >= 1
-    SIZES: ClassVar[Tuple[str, ...]] = ("vocab", "dim", "heads", "layers", "seq", "mlp_ratio")
     mlp_ratio: int = 4
-    """The feed-forward block's hidden width, as a multiple of ``dim``."""
     dropout: float = 0.1
-    """Dropout probability of attention and residual branches."""
+    SIZES: ClassVar[Tuple[str, ...]] = ("vocab", "dim", "heads", "layers", "seq", "mlp_ratio")
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -165,12 +144,8 @@ class GPT(nn.Module):
             for ln in (layer.ln1, layer.ln2):
                 ln.weight.fill_(1.0)
                 ln.bias.zero_()
-            for lin, s in (
-                (layer.attn.qkv, std),
-                (layer.attn.proj, proj_std),
-                (layer.mlp.fc, std),
-                (layer.mlp.proj, proj_std),
-            ):
+            for lin, s in ((layer.attn.qkv, std), (layer.attn.proj, proj_std), (layer.mlp.fc, std),
+                           (layer.mlp.proj, proj_std)):
                 normal_(lin.weight, s)
                 lin.bias.zero_()
         self.ln_f.weight.fill_(1.0)
@@ -192,13 +167,9 @@ class GPT(nn.Module):
 
 
 def make_batch(cfg: GPTConfig, batch: int, seed: int, device: Any = "cpu"):
-    """A deterministic ``(tokens, targets)`` pair, both int64 ``(batch, cfg.seq)``.
-
-    Each sequence is an arithmetic progression modulo ``vocab`` with a random
-    start and a random stride in ``[1, 4]``; targets are the next tokens.  The
-    stride can only be read from the context, so attention has something to
-    learn and the loss falls within a few steps.
-    """
+    """A deterministic ``(tokens, targets)`` pair, both int64 ``(batch, cfg.seq)``: arithmetic progressions modulo
+    ``vocab`` with a random start and stride in ``[1, 4]``, the targets the next tokens (the stride can only be read
+    from the context: attention has something to learn)."""
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     start = torch.randint(0, cfg.vocab, (batch, 1), generator=gen)
     stride = torch.randint(1, 5, (batch, 1), generator=gen)
@@ -209,68 +180,39 @@ def make_batch(cfg: GPTConfig, batch: int, seed: int, device: Any = "cpu"):
     return tokens, targets
 
 
-def train_steps(
-    model: nn.Module,
-    steps: int,
-    batch: int,
-    lr: float,
-    seed: int,
-    device: Any = "cpu",
-    meter: Any = None,
-    times: Optional[List[float]] = None,
-    on_step: Optional[Callable[[int, float], None]] = None,
-) -> List[float]:
-    """Train ``model`` for ``steps`` Adam steps and return each step's loss.
+def train_steps(model: nn.Module, steps: int, batch: int, lr: float, seed: int, device: Any = "cpu",
+                meter: Any = None, times: Optional[List[float]] = None,
+                on_step: Optional[Callable[[int, float], None]] = None) -> List[float]:
+    """Train ``model`` (a :class:`GPT`, wrapped or not) ``steps`` steps of the benchmark harness (SGD) on
+    ``make_batch(cfg, batch, seed + i)``, dropout seeded from ``seed + i``, and return the losses. ``meter`` wraps the
+    loop (a context manager, or ``meter(model, optimizer)`` returning one); ``times`` receives each step's forward +
+    backward seconds; ``on_step(i, loss)`` is called after each step. Example::
 
-    Step ``i`` uses ``make_batch(cfg, batch, seed + i)``; the global RNG
-    (dropout) is seeded from ``seed`` first, so two calls with the same
-    arguments on equal models give equal losses.
-
-    ``meter`` wraps the training loop when given: either a context manager, or
-    a callable ``meter(model, optimizer)`` that returns one (use this form to
-    let a memory meter track the optimizer created here).  ``times``, when a
-    list, receives each step's wall time in seconds; ``on_step(i, loss)`` is
-    called after each step.
+        >>> len(train_steps(GPT(GPTConfig(vocab=64, dim=32, heads=2, layers=2, seq=16)), 2, batch=2, lr=0.1, seed=0))
+        2
     """
-    device = torch.device(device)
-    cfg: GPTConfig = model.cfg
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    torch.manual_seed(int(seed))
-    model.train()
+    from hyper_parallel.bench.harness import Variant, optimizer_for, train_step
 
-    if meter is None:
-        ctx = _NullContext()
-    elif hasattr(meter, "__enter__"):
-        ctx = meter
-    elif callable(meter):
-        ctx = meter(model, optimizer)
-    else:
+    v = Variant("train_steps", "none", model, optimizer_for(model, lr))
+    if meter is not None and not hasattr(meter, "__enter__") and not callable(meter):
         raise TypeError(f"meter must be a context manager or a callable, got {type(meter)!r}")
-
-    losses: List[float] = []
+    ctx = meter if hasattr(meter, "__enter__") else meter(model, v.optimizer) if meter else contextlib.nullcontext()
+    model.train()
     with ctx:
         for step in range(int(steps)):
-            tokens, targets = make_batch(cfg, batch, seed + step, device=device)
-
-            def one_step() -> float:
-                optimizer.zero_grad(set_to_none=True)
-                loss = model(tokens, targets)
-                loss.backward()
-                optimizer.step()
-                return float(loss.detach().item())
-
-            value, dt = timed(one_step, device)
+            loss, seconds, _ = train_step(v, make_batch(model.cfg, batch, seed + step, device=device), seed + step,
+                                          device)
+            v.losses.append(loss)
             if times is not None:
-                times.append(dt)
-            losses.append(value)
+                times.append(seconds)
             if on_step is not None:
-                on_step(step, value)
-    return losses
+                on_step(step, loss)
+    return v.losses
 
 
 class ResidualMLP(nn.Module):
-    """``x + fc2(gelu(fc1(norm(x))))`` on ``(..., dim)`` inputs: the block of :class:`SmallOpsNet`
-    (and of the pipeline example)."""
+    """``x + fc2(gelu(fc1(norm(x))))`` on ``(..., dim)`` inputs: the block of :class:`SmallOpsNet` (and of the pipeline
+    example)."""
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
@@ -283,10 +225,10 @@ class ResidualMLP(nn.Module):
 
 
 class SmallOpsNet(nn.Module):
-    """``blocks`` :class:`ResidualMLP` blocks in ``.layers`` on ``(batch, dim)`` inputs; the loss is
-    the mean square of the output. A block saves about eight small tensors, so the cost per saved
-    tensor dominates a step: the model of ``benchmarks/swap_overhead.py``. Deterministic from
-    ``seed`` (the global RNG untouched); ``model(*model.make_batch(batch, seed))`` is a loss."""
+    """``blocks`` :class:`ResidualMLP` blocks in ``.layers`` on ``(batch, dim)`` inputs; the loss is the mean square of
+    the output. A block saves about eight small tensors, so the cost per saved tensor dominates a step: the model of
+    ``benchmarks/swap_overhead.py``. Deterministic from ``seed`` (the global RNG untouched);
+    ``model(*model.make_batch(batch, seed))`` is a loss."""
 
     def __init__(self, blocks: int = 48, dim: int = 32, hidden: int = 64, seed: int = 0) -> None:
         super().__init__()
@@ -304,11 +246,3 @@ class SmallOpsNet(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x.square().mean()
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -1,16 +1,9 @@
-"""A post-LN transformer with ``nn.MultiheadAttention`` and a ReLU feed-forward block: the shape of
-the original HyperParallel activation-checkpoint tests (16 layers), scaled down for a CPU.
-
-Each layer is ``x = norm1(x + drop(attn(x, x, x)))`` then ``x = norm2(x + drop(mlp(x)))`` with
-``mlp = Linear(dim, ffn) -> ReLU -> Linear(ffn, dim)``. The model has the interface of the bench
-GPT (:mod:`hyper_parallel.bench.model`), so every recipe of :mod:`hyper_parallel.bench.modes`
-applies to it and ``make_batch`` feeds it: ``.layers`` whose items have ``.attn`` and ``.mlp``
-and take ``(x, *, mask)``; ``forward(tokens, targets)`` returns the mean cross-entropy of a
-token embedding, the layers and an untied output head; ``cfg`` has ``vocab`` and ``seq``.
-
-``need_weights`` (default True, what ``attn(x, x, x)`` does) makes ``nn.MultiheadAttention``
-compute attention with ``bmm`` + softmax (ops a policy can save or swap); with False it calls
-``scaled_dot_product_attention``.
+"""A post-LN transformer with ``nn.MultiheadAttention`` and a ReLU feed-forward block: the shape of the original
+HyperParallel activation-checkpoint tests (16 layers), scaled down for a CPU. Each layer is ``x = norm1(x + drop(attn(x,
+x, x)))`` then ``x = norm2(x + drop(mlp(x)))``; the model has the bench GPT's interface (``.layers`` of blocks with
+``.attn`` and ``.mlp`` taking ``(x, *, mask)``; ``forward(tokens, targets)`` is the loss; ``cfg.vocab``, ``cfg.seq``),
+so every recipe applies and ``make_batch`` feeds it. ``need_weights`` (default True, what ``attn(x, x, x)`` does)
+computes attention with ``bmm`` + softmax (ops a policy can save or swap); False calls SDPA.
 """
 
 from __future__ import annotations
@@ -24,22 +17,17 @@ from torch import nn
 
 from hyper_parallel.bench.model import GPTConfig
 
-__all__ = ["PostLNConfig", "PostLNLayer", "PostLNTransformer"]
-
 
 @dataclass
 class PostLNConfig(GPTConfig):
-    """Shape of the post-LN transformer: :class:`~hyper_parallel.bench.model.GPTConfig`'s fields
-    (``mlp_ratio * dim`` hidden units in the feed-forward), its defaults scaled for a CPU, plus
-    whether attention is causal and ``need_weights``."""
+    """:class:`~hyper_parallel.bench.model.GPTConfig`'s fields, its defaults scaled for a CPU, and whether attention is
+    ``causal`` (future positions masked) and ``need_weights`` (bmm + softmax)."""
 
     dim: int = 256
     layers: int = 16
     seq: int = 128
     dropout: float = 0.0
-    #: mask future positions
     causal: bool = True
-    #: ``nn.MultiheadAttention(..., need_weights=True)``: bmm + softmax instead of SDPA
     need_weights: bool = True
 
 
@@ -57,17 +45,6 @@ class _SelfAttention(nn.Module):
         return self.mha(x, x, x, attn_mask=mask, need_weights=self.need_weights)[0]
 
 
-class _FFN(nn.Module):
-    def __init__(self, cfg: PostLNConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim)
-        self.act = nn.ReLU()
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.act(self.fc(x)))
-
-
 class PostLNLayer(nn.Module):
     """``norm1(x + drop(attn(x)))`` then ``norm2(x + drop(mlp(x)))``."""
 
@@ -75,7 +52,8 @@ class PostLNLayer(nn.Module):
         super().__init__()
         self.attn = _SelfAttention(cfg)
         self.norm1 = nn.LayerNorm(cfg.dim)
-        self.mlp = _FFN(cfg)
+        self.mlp = nn.Sequential(nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim), nn.ReLU(),
+                                 nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim))
         self.norm2 = nn.LayerNorm(cfg.dim)
         self.drop1 = nn.Dropout(cfg.dropout)
         self.drop2 = nn.Dropout(cfg.dropout)

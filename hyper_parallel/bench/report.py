@@ -1,16 +1,13 @@
-"""Reporting for every benchmark: tables, legends, loss comparison, swap statistics, the
-environment, JSON and charts.
-
-Each benchmark (``python -m hyper_parallel.bench``, ``benchmarks/compare_peers.py``,
-``benchmarks/recompute_vs_torch.py``) builds its rows and prints them with :func:`table`; a
-legend of what each row wraps comes from the recipes' ``what`` (:func:`legend`); losses are
-compared with :func:`loss_check`; ``SwapManager().stats()`` is one line by :func:`swap_stats_line`;
-:func:`write_json` writes a result document and :func:`bar_chart` / :func:`sweep_chart` draw it
-(when matplotlib is installed: the ``bench`` extra).
+"""Reporting and command lines for every benchmark: tables, legends, loss comparison, the ``SwapManager().stats()``
+line, the environment, JSON, charts (with matplotlib, the ``bench`` extra), and the options the scripts of
+``benchmarks/`` share (:func:`script_parser`, :func:`script_setup`, :func:`variant_names`).
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -18,9 +15,6 @@ import sys
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-
-__all__ = ["MiB", "fmt", "ratio", "table", "legend", "loss_check", "swap_stats_line", "environment",
-           "plain", "write_json", "have_matplotlib", "bar_chart", "sweep_chart", "CPU_TIMING_NOTE"]
 
 MiB = 1024 * 1024
 
@@ -37,14 +31,11 @@ def fmt(x: Optional[float], spec: str = "%.1f") -> str:
 
 def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     """``a / b``, or ``None`` when either is missing or ``b`` is 0."""
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
+    return None if a is None or b is None or b == 0 else a / b
 
 
 def table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str) -> str:
-    """A plain-text table: the header, a rule, the rows; ``align`` has one ``l`` or ``r`` per
-    column."""
+    """A plain-text table: the header, a rule, the rows; ``align`` has one ``l`` or ``r`` per column."""
     rows = [[str(c) for c in row] for row in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
 
@@ -61,15 +52,32 @@ def legend(rows: Sequence[Tuple[str, str]], title: str = "legend") -> str:
     return "\n".join([f"{title}:"] + [f"  {n.ljust(width)}  {what}" for n, what in rows])
 
 
-def loss_check(losses: Sequence[float], baseline: Sequence[float], exact: bool,
-               atol: float) -> Dict[str, Any]:
-    """``{"equal", "max_abs_diff"}`` of one loss sequence against the baseline's: bitwise when
-    ``exact`` (CPU), else within ``atol``; sequences of different lengths are not equal."""
+def loss_check(losses: Sequence[float], baseline: Sequence[float], exact: bool, atol: float) -> Dict[str, Any]:
+    """``{"equal", "max_abs_diff"}`` of one loss sequence against the baseline's: bitwise when ``exact`` (CPU), else
+    within ``atol``; sequences of different lengths are not equal."""
     if len(losses) != len(baseline):
         return {"equal": False, "max_abs_diff": None}
     diff = max((abs(a - b) for a, b in zip(losses, baseline)), default=0.0)
     equal = all(a == b for a, b in zip(losses, baseline)) if exact else diff <= atol
     return {"equal": equal, "max_abs_diff": diff}
+
+
+def compare_losses(rows: Mapping[str, Dict[str, Any]], exact: bool, atol: float) -> Dict[str, Dict[str, Any]]:
+    """Every row's ``losses`` against the ``none`` row's (:func:`loss_check`), written into each row as
+    ``loss_equal_to_none`` / ``loss_max_abs_diff`` (``None`` without a ``none`` row) and returned."""
+    base = rows.get("none")
+    out = {n: ({"equal": None, "max_abs_diff": None} if base is None else
+               loss_check(r["losses"], base["losses"], exact, atol)) for n, r in rows.items()}
+    for n, r in rows.items():
+        r["loss_equal_to_none"], r["loss_max_abs_diff"] = out[n]["equal"], out[n]["max_abs_diff"]
+    return out
+
+
+def print_problems(skipped: Mapping[str, str], errors: Mapping[str, str]) -> None:
+    """The variants skipped (cannot run here) and failed, each with its reason."""
+    for kind, found in (("skipped", skipped), ("FAILED", errors)):
+        for name, why in found.items():
+            print(f"{kind} {name}: {why}")
 
 
 def swap_stats_line(stats: Mapping[str, Any]) -> str:
@@ -85,40 +93,27 @@ def swap_stats_line(stats: Mapping[str, Any]) -> str:
 
 def environment(device: torch.device) -> Dict[str, Any]:
     """Device, versions and thread count, for a result document."""
-    env: Dict[str, Any] = {
-        "device": str(device),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpu_threads": torch.get_num_threads(),
-    }
+    env: Dict[str, Any] = {"device": str(device), "torch": torch.__version__, "python": sys.version.split()[0],
+                           "platform": platform.platform(), "cpu_threads": torch.get_num_threads()}
     if device.type != "cpu":
-        try:
-            dm = torch.get_device_module(device.type)
-            env["device_name"] = dm.get_device_name(device)
-            props = dm.get_device_properties(device)
-            env["device_memory_bytes"] = int(getattr(props, "total_memory", 0))
-        except Exception as exc:  # pragma: no cover - depends on the accelerator
-            env["device_name"] = f"unknown ({exc})"
-        env["cuda"] = getattr(torch.version, "cuda", None)
+        dm = torch.get_device_module(device.type)
+        env.update(device_name=dm.get_device_name(device), cuda=torch.version.cuda,
+                   device_memory_bytes=int(getattr(dm.get_device_properties(device), "total_memory", 0)))
     try:
-        import torchtune  # noqa: F401
-
-        env["torchtune"] = getattr(sys.modules["torchtune"], "__version__", "?")
-    except Exception:
+        env["torchtune"] = importlib.metadata.version("torchtune")
+    except importlib.metadata.PackageNotFoundError:
         env["torchtune"] = None
     return env
 
 
-def plain(obj: Any) -> Any:
-    """``obj`` made JSON-friendly: keys to ``str``, numbers kept, anything else as a number when
-    it converts (tensors, numpy scalars) or its ``str``."""
-    if isinstance(obj, dict):
-        return {str(k): plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [plain(v) for v in obj]
-    if isinstance(obj, (int, float, str, bool)) or obj is None:
-        return obj
+def load_average() -> str:
+    """The machine's load average (1, 5, 15 minutes) as text, ``-`` where the OS has none."""
+    return " ".join("%.2f" % v for v in os.getloadavg()) if hasattr(os, "getloadavg") else "-"
+
+
+def json_value(obj: Any) -> Any:
+    """``json``'s ``default``: what has no JSON form as a number where it converts (tensors, numpy scalars), else
+    its ``str``."""
     try:
         return float(obj)
     except (TypeError, ValueError):
@@ -126,36 +121,87 @@ def plain(obj: Any) -> Any:
 
 
 def write_json(path: str, doc: Mapping[str, Any]) -> None:
-    """Write ``doc`` to ``path`` (folders created; replaced atomically, so a reader never sees
-    half a file)."""
+    """Write ``doc`` to ``path`` (folders created; replaced atomically, so a reader never sees half a file)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(plain(doc), f, indent=2)
+        json.dump(doc, f, indent=2, default=json_value)
         f.write("\n")
     os.replace(tmp, path)
 
 
-# --------------------------------------------------------------------------- charts
+def device_problem(name: str) -> Optional[str]:
+    """Why ``--device name`` cannot run here (``None``: it can): not a device this torch build knows, or an accelerator
+    type (or index) it does not have."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        return f"--device {name!r} is not a device torch {torch.__version__} knows: {str(exc).splitlines()[0]}"
+    if dev.type == "cpu":
+        return None
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is None or acc.type != dev.type:
+        return (f"--device {name}: this torch build ({torch.__version__}) has no {dev.type} device (it has "
+                f"{'a ' + acc.type if acc is not None else 'no accelerator'})")
+    if dev.index is not None and dev.index >= torch.accelerator.device_count():
+        return f"--device {name}: there are {torch.accelerator.device_count()} {dev.type} device(s)"
+    return None
+
+
+def variant_names(spec: Optional[str], default: Sequence[str], known: Iterable[str],
+                  parser: argparse.ArgumentParser) -> List[str]:
+    """``none`` first, then the comma-separated names of ``spec`` (default ``default``), each once; a name not in
+    ``known`` is a usage error that lists the known ones."""
+    names = list(default) if spec is None else [n.strip() for n in spec.split(",") if n.strip()]
+    bad = [n for n in names if n not in known]
+    if bad:
+        parser.error(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(known)}")
+    return list(dict.fromkeys(["none"] + names))
+
+
+def script_parser(doc: str, *, seed: int = 1234, device: bool = True, threads: bool = True) -> argparse.ArgumentParser:
+    """A script's parser (described by ``doc``'s first line) with the options every script shares: ``--device``
+    (``auto``: the accelerator if any), ``--dtype``, ``--seed``, ``--threads`` (default 1 on CPU), ``--json``."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    if device:
+        p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, npu, ... or 'auto' (default cpu)")
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=seed, help=f"seed of init, batches and dropout (default {seed})")
+    if threads:
+        p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default 1 on CPU)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    return p
+
+
+def script_setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Tuple[torch.device, torch.dtype]:
+    """The device (checked: a bad one is a usage error), the dtype, and the intra-op threads."""
+    name = getattr(args, "device", "cpu")
+    if name == "auto":
+        name = str(torch.accelerator.current_accelerator()) if torch.accelerator.is_available() else "cpu"
+    why = device_problem(name)
+    if why:
+        parser.error(why)
+    device = torch.device(name)
+    threads = getattr(args, "threads", None)
+    if threads is None and device.type == "cpu" and hasattr(args, "threads"):
+        threads = args.threads = 1
+    if threads:
+        torch.set_num_threads(threads)
+    return device, getattr(torch, getattr(args, "dtype", "float32"))
+
 
 def have_matplotlib() -> Tuple[bool, str]:
     """``(True, "")`` or ``(False, why no chart is written)``."""
-    try:
-        import matplotlib  # noqa: F401
-
+    if importlib.util.find_spec("matplotlib") is not None:
         return True, ""
-    except ImportError:
-        return False, ("matplotlib is not installed: pip install -e '.[bench]' (or pip install "
-                       "matplotlib); no chart written")
+    return False, "matplotlib is not installed: pip install -e '.[bench]' (or pip install matplotlib); no chart written"
 
 
 def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return __import__("matplotlib.pyplot").pyplot
 
 
 def _save(fig: Any, path: str) -> None:
@@ -170,19 +216,16 @@ _COLORS = {"baseline": "tab:gray", "peer": "tab:orange", "ours": "tab:blue"}
 
 def bar_chart(path: str, rows: Mapping[str, Mapping[str, Any]], title: str,
               time_label: str = "median step (ms)") -> None:
-    """Three panels per row name: peak memory, median step time, bytes moved per step. Each row
-    has ``who``, ``peak_bytes``, ``step_time_s`` and ``bytes_moved_per_step`` (``d2h``, ``h2d``)."""
+    """Three panels per row name: peak memory, median step time, bytes moved per step. Each row has ``who``,
+    ``peak_bytes``, ``step_time_s`` and ``bytes_moved_per_step`` (``d2h``, ``h2d``)."""
     plt = _plt()
     names = [n for n in rows if rows[n]["peak_bytes"] is not None]
     colors = [_COLORS.get(rows[n]["who"], "tab:blue") for n in names]
     fig, axes = plt.subplots(1, 3, figsize=(min(16.0, max(9.0, 1.2 * len(names) + 4)), 4.8))
     xs = list(range(len(names)))
-    panels = [
-        ("peak device memory (MiB)", [rows[n]["peak_bytes"] / MiB for n in names]),
-        (time_label, [(rows[n]["step_time_s"] or 0) * 1e3 for n in names]),
-        ("moved per step, D2H+H2D (MiB)",
-         [(rows[n]["bytes_moved_per_step"]["d2h"] + rows[n]["bytes_moved_per_step"]["h2d"]) / MiB for n in names]),
-    ]
+    panels = [("peak device memory (MiB)", [rows[n]["peak_bytes"] / MiB for n in names]),
+              (time_label, [(rows[n]["step_time_s"] or 0) * 1e3 for n in names]),
+              ("moved per step, D2H+H2D (MiB)", [sum(rows[n]["bytes_moved_per_step"].values()) / MiB for n in names])]
     for ax, (label, vals) in zip(axes, panels):
         ax.bar(xs, vals, color=colors)
         ax.set_xticks(xs, names, rotation=40, ha="right", fontsize=8)
@@ -199,9 +242,8 @@ def bar_chart(path: str, rows: Mapping[str, Mapping[str, Any]], title: str,
 
 
 def sweep_chart(path: str, axis: str, points: List[Dict[str, Any]], title: str) -> None:
-    """Peak above params + buffers and median step time of every row against the swept ``axis``;
-    ``points`` are ``{"value", "results": {name: row}}`` with rows as in :func:`bar_chart` plus
-    ``peak_above_static_bytes`` and ``grad_bytes``."""
+    """Peak above parameters and buffers, and median step time, of every row against the swept ``axis`` (``points``:
+    ``{"value", "results": {name: row}}``)."""
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     names: List[str] = []
@@ -221,27 +263,21 @@ def sweep_chart(path: str, axis: str, points: List[Dict[str, Any]], title: str) 
         style = {"ours": "-", "peer": "--"}.get(who, ":")
         ax1.plot(xs, mem, style, marker=markers[k % len(markers)], label=n, alpha=0.85)
         ax2.plot(xs, tm, style, marker=markers[k % len(markers)], label=n, alpha=0.85)
-    gx = [p["value"] for p in points if p["results"]]
-    gy = [next(iter(p["results"].values()))["grad_bytes"] / MiB for p in points if p["results"]]
-    ax1.plot(gx, gy, color="black", linestyle=(0, (1, 3)), label="gradients of all params")
-    ax1.set_xlabel(axis)
-    ax1.set_ylabel("peak above params+buffers (MiB)")
-    ax1.set_title("peak memory (activations + grads)", fontsize=10)
-    ax2.set_xlabel(axis)
-    ax2.set_ylabel("median fwd+bwd step (ms)")
-    ax2.set_title("step time", fontsize=10)
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
+    done = [p for p in points if p["results"]]
+    ax1.plot([p["value"] for p in done], [next(iter(p["results"].values()))["grad_bytes"] / MiB for p in done],
+             color="black", linestyle=(0, (1, 3)), label="gradients of all params")
+    ax1.set(xlabel=axis, ylabel="peak above params+buffers (MiB)", title="peak memory (activations + grads)")
+    ax2.set(xlabel=axis, ylabel="median fwd+bwd step (ms)", title="step time")
+    ax1.grid(alpha=0.3)
+    ax2.grid(alpha=0.3)
     ax1.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     _save(fig, path)
 
 
 def pareto_chart(path: str, models: List[Dict[str, Any]]) -> None:
-    """Step time against measured peak, one panel per model: the memory plans as a curve (in
-    budget order), PyTorch's sac_ilp plans as another, every fixed recipe as a labelled point.
-    ``models``: ``benchmarks/planner.py``'s per-model results (``rows`` with ``fwd_bwd_peak_bytes``
-    and ``step_time_s``)."""
+    """Step time against measured peak, a panel per model (``benchmarks/planner.py``'s results): plans and sac_ilp's as
+    curves in budget order, every fixed recipe as a labelled point."""
     plt = _plt()
     fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.4), squeeze=False)
     for ax, m in zip(axes[0], models):
@@ -257,9 +293,8 @@ def pareto_chart(path: str, models: List[Dict[str, Any]]) -> None:
             ax.plot(r["fwd_bwd_peak_bytes"] / MiB, r["step_time_s"] * 1e3, "D", color=_COLORS.get(r["who"], "k"))
             ax.annotate(n, (r["fwd_bwd_peak_bytes"] / MiB, r["step_time_s"] * 1e3), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel("measured peak of forward + backward (MiB)")
-        ax.set_ylabel("median forward + backward (ms)")
-        ax.set_title(m["model"], fontsize=10)
+        ax.set(xlabel="measured peak of forward + backward (MiB)", ylabel="median forward + backward (ms)")
+        ax.set_title(m["model"], fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("memory plans against the fixed recipes", fontsize=10)

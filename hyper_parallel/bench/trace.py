@@ -1,22 +1,14 @@
 """Profiler traces of a training step, and what they say about the copy engine.
 
-* :func:`write_trace` runs one step under ``torch.profiler`` and writes a Chrome trace (open it in
-  ``chrome://tracing`` or https://ui.perfetto.dev). The swap engine's offload/load launches and
-  waits show up there as named ranges: ``hyper_parallel.launch_offload[<group>]``,
-  ``hyper_parallel.wait_offload[<group>]``, ``hyper_parallel.launch_load[<group>]`` and
-  ``hyper_parallel.wait_load[<group>]``; on an accelerator the copies themselves appear as
-  ``Memcpy DtoH`` / ``Memcpy HtoD`` on the copy stream.
-* :func:`range_names` lists the ``hyper_parallel.*`` ranges of a trace (file, dict or profiler).
-* :func:`analyze_copies` reads the device-side events of a trace: bytes and busy time of
-  host<->device copies per direction (hence the achieved bandwidth) and the *overlap fraction*,
-  the share of copy time during which a compute kernel was running, i.e. hidden under compute.
+:func:`write_trace` writes a Chrome trace of one step (``chrome://tracing``, https://ui.perfetto.dev), where the swap
+engine's launches and waits are named ranges (``hyper_parallel.launch_offload[<group>]``, ``wait_offload``,
+``launch_load``, ``wait_load``); :func:`range_names` lists them; :func:`analyze_copies` reads a trace's device events:
+bytes and busy time of host<->device copies per direction (the achieved bandwidth) and the share of copy time hidden
+under compute kernels. Example::
 
-Example::
-
-    >>> from hyper_parallel.bench.trace import write_trace, range_names  # doctest: +SKIP
-    >>> path = write_trace(lambda: model(tokens, targets).backward(), "traces/swap.json")
-    >>> sorted(range_names(path))[:2]
-    ['hyper_parallel.launch_load[layer_0]', 'hyper_parallel.launch_offload[layer_0]']
+    >>> path = write_trace(lambda: model(tokens, targets).backward(), "traces/swap.json")  # doctest: +SKIP
+    >>> sorted(range_names(path))[:1]  # doctest: +SKIP
+    ['hyper_parallel.launch_load[layer_0]']
 """
 
 from __future__ import annotations
@@ -25,14 +17,11 @@ import bisect
 import gzip
 import json
 import os
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from hyper_parallel.bench.timing import synchronize
-
-__all__ = ["RANGE_PREFIX", "profiler_activities", "write_trace", "range_names", "trace_events",
-           "analyze_copies"]
+from hyper_parallel.bench.harness import synchronize
 
 #: Every named range the swap engine emits starts with this.
 RANGE_PREFIX = "hyper_parallel."
@@ -43,65 +32,41 @@ _MEMCPY_CATS = ("gpu_memcpy",)
 
 
 def _accelerator() -> Optional[torch.device]:
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and acc.is_available():
-        return acc.current_accelerator()
-    return None
+    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
 
 
 def profiler_activities(device: Any = None) -> List[Any]:
-    """``[CPU]`` plus the profiler activity of ``device`` (default: the current accelerator) when
-    this torch build can profile it (CUDA, XPU, ...)."""
+    """``[CPU]`` plus, for an accelerator (default: the current one), the activities this torch build can profile."""
     from torch.profiler import ProfilerActivity
 
-    acts = [ProfilerActivity.CPU]
     dev = torch.device(device) if device is not None else _accelerator()
     if dev is None or dev.type == "cpu":
-        return acts
-    name = {"cuda": "CUDA", "xpu": "XPU", "mtia": "MTIA", "hpu": "HPU"}.get(dev.type, "PrivateUse1")
-    act = getattr(ProfilerActivity, name, None)
-    if act is not None and act in torch.profiler.supported_activities():
-        acts.append(act)
-    return acts
+        return [ProfilerActivity.CPU]
+    return [ProfilerActivity.CPU] + [a for a in torch.profiler.supported_activities() if a != ProfilerActivity.CPU]
 
 
-def write_trace(model_step_fn: Callable[[], Any], path: Union[str, os.PathLike], *,
-                warmup: int = 0, device: Any = None, activities: Optional[Sequence[Any]] = None,
-                record_shapes: bool = False) -> str:
-    """Run ``model_step_fn()`` once under ``torch.profiler`` and write a Chrome trace to ``path``.
-
-    Args:
-        model_step_fn: one training step (forward, backward, optionally the optimizer step).
-        path: the ``.json`` file to write (``.json.gz``: gzipped); its folder is created.
-        warmup: unprofiled calls of ``model_step_fn`` first (the first step of a swap mode
-            allocates its pooled host buffers; leave it out of the picture with ``warmup=1``).
-        device: the device the step runs on (default: the current accelerator, else CPU);
-            its activity is profiled too when the build supports it.
-        activities: override the profiler activities.
-        record_shapes: record input shapes of every op (bigger traces).
-
-    The step is wrapped in a ``hyper_parallel.step`` range and the device is synchronized before
-    the profiler stops, so the trace holds the whole step. Returns ``str(path)``.
-    """
+def write_trace(model_step_fn: Callable[[], Any], path: Union[str, os.PathLike], *, warmup: int = 0,
+                device: Any = None) -> str:
+    """Run ``model_step_fn()`` (one training step) once under ``torch.profiler``, in a ``hyper_parallel.step`` range and
+    synchronised, and write a Chrome trace to ``path`` (``.json``, or gzipped ``.json.gz``; its folder is created);
+    return ``str(path)``. ``warmup``: unprofiled calls first (a swap mode's first step allocates its pooled host
+    buffers). ``device``: profiled too (default: the current accelerator, else CPU)."""
     dev = torch.device(device) if device is not None else _accelerator()
     for _ in range(int(warmup)):
         model_step_fn()
     synchronize(dev)
-    acts = list(activities) if activities is not None else profiler_activities(dev)
-    with torch.profiler.profile(activities=acts, record_shapes=record_shapes) as prof:
+    with torch.profiler.profile(activities=profiler_activities(dev)) as prof:
         with torch.profiler.record_function(RANGE_PREFIX + "step"):
             model_step_fn()
         synchronize(dev)
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    prof.export_chrome_trace(path)
-    return path
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    prof.export_chrome_trace(os.fspath(path))
+    return os.fspath(path)
 
 
 def trace_events(trace: Any) -> List[Dict[str, Any]]:
-    """The event dicts of a Chrome trace given as a path (``.json`` or ``.json.gz``), a loaded dict
-    or a list of events."""
+    """The event dicts of a Chrome trace given as a path (``.json`` or ``.json.gz``), a loaded dict or a list of events.
+    """
     if isinstance(trace, (str, os.PathLike)):
         opener = gzip.open if os.fspath(trace).endswith(".gz") else open
         with opener(trace, "rt") as f:
@@ -112,16 +77,14 @@ def trace_events(trace: Any) -> List[Dict[str, Any]]:
 
 
 def range_names(trace: Any, prefix: str = RANGE_PREFIX) -> List[str]:
-    """Distinct names starting with ``prefix`` in a trace: a Chrome-trace path / dict / event
-    list, or a finished ``torch.profiler.profile`` object."""
+    """Distinct names starting with ``prefix`` in a trace: a Chrome-trace path / dict / event list, or a finished
+    ``torch.profiler.profile`` object."""
     if hasattr(trace, "events") and callable(trace.events):
         names: Iterable[str] = (e.name for e in trace.events())
     else:
         names = (str(e.get("name", "")) for e in trace_events(trace))
     return sorted({n for n in names if n.startswith(prefix)})
 
-
-# ------------------------------------------------------------------ copy engine figures
 
 def _direction(event: Dict[str, Any]) -> Optional[str]:
     name = str(event.get("name", ""))
@@ -157,34 +120,23 @@ def _covered(start: float, end: float, merged: List[Tuple[float, float]], starts
 
 
 def analyze_copies(trace: Any, *, pinned_only: bool = True, min_bytes: int = 0) -> Dict[str, Any]:
-    """Host<->device copy figures from the device events of a Chrome trace.
-
-    Returns, per direction (``"d2h"``, ``"h2d"``): ``count``, ``bytes``, ``busy_s`` (the union of
-    the copies' intervals), ``gbps`` (bytes / busy time, 1e9 bytes per second; ``None`` when the
-    trace has no byte counts or no time), ``hidden_s`` (copy time during which some compute kernel
-    ran) and ``overlap_fraction`` (``hidden_s / busy_s``); plus the same totals over both directions
-    and ``kernel_busy_s``. Only copies from/to pinned memory are counted when ``pinned_only`` and
-    the trace names the memory kind (the swap engine and ``save_on_cpu(pin_memory=True)`` use pinned
-    buffers; ``loss.item()`` copies to pageable memory), and only copies of at least ``min_bytes``.
-    """
+    """Host<->device copy figures of a Chrome trace's device events, per direction (``d2h``, ``h2d``, ``total``):
+    ``count``, ``bytes``, ``busy_s`` (the union of the copies' intervals), ``gbps`` (1e9 B/s; ``None`` without byte
+    counts), ``hidden_s`` (copy time while a kernel ran), ``overlap_fraction``; and ``kernel_busy_s``. Copies of at
+    least ``min_bytes``, only pinned ones with ``pinned_only`` where the trace names the memory kind (``loss.item()``
+    copies to pageable memory)."""
     events = [e for e in trace_events(trace) if e.get("ph", "X") == "X" and "dur" in e]
     kernels = _merge([(float(e["ts"]), float(e["ts"]) + float(e["dur"]))
                       for e in events if e.get("cat") in _KERNEL_CATS])
     starts = [s for s, _ in kernels]
     copies: Dict[str, List[Dict[str, Any]]] = {"d2h": [], "h2d": []}
-    names_pinned = any("Pinned" in str(e.get("name", "")) for e in events if e.get("cat") in _MEMCPY_CATS)
-    for e in events:
-        if e.get("cat") not in _MEMCPY_CATS:
-            continue
-        direction = _direction(e)
-        if direction is None:
-            continue
-        if pinned_only and names_pinned and "Pinned" not in str(e.get("name", "")):
-            continue
+    memcpys = [e for e in events if e.get("cat") in _MEMCPY_CATS and _direction(e) is not None]
+    names_pinned = any("Pinned" in str(e.get("name", "")) for e in memcpys)
+    for e in memcpys:
         nbytes = (e.get("args") or {}).get("bytes")
-        if nbytes is not None and int(nbytes) < min_bytes:
-            continue
-        copies[direction].append(e)
+        if not (pinned_only and names_pinned and "Pinned" not in str(e.get("name", ""))) and \
+                (nbytes is None or int(nbytes) >= min_bytes):
+            copies[_direction(e)].append(e)
 
     def summary(evs: List[Dict[str, Any]]) -> Dict[str, Any]:
         spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]
@@ -194,14 +146,9 @@ def analyze_copies(trace: Any, *, pinned_only: bool = True, min_bytes: int = 0) 
         byte_counts = [(e.get("args") or {}).get("bytes") for e in evs]
         known = all(b is not None for b in byte_counts)
         nbytes = int(sum(int(b) for b in byte_counts if b is not None))
-        return {
-            "count": len(evs),
-            "bytes": nbytes if known else None,
-            "busy_s": busy_us * 1e-6,
-            "gbps": (nbytes / (busy_us * 1e-6) / 1e9) if known and busy_us > 0 else None,
-            "hidden_s": hidden_us * 1e-6,
-            "overlap_fraction": (hidden_us / busy_us) if busy_us > 0 else None,
-        }
+        return {"count": len(evs), "bytes": nbytes if known else None, "busy_s": busy_us * 1e-6,
+                "gbps": (nbytes / (busy_us * 1e-6) / 1e9) if known and busy_us > 0 else None,
+                "hidden_s": hidden_us * 1e-6, "overlap_fraction": (hidden_us / busy_us) if busy_us > 0 else None}
 
     out: Dict[str, Any] = {d: summary(evs) for d, evs in copies.items()}
     out["total"] = summary(copies["d2h"] + copies["h2d"])
