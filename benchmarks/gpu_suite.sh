@@ -84,7 +84,7 @@ if [[ "${SUITE_QUICK:-0}" == "tiny" ]]; then  # the smoke test's size: seconds, 
     SWEEP_L=(--dim 32 --heads 2 --seq 16 --batch 2 --dtype "$DTYPE" --rounds 1 --warmup 0 --values 2,3 --variants none,torch_ckpt,ours_ckpt_swap)
     SWEEP_S=(--dim 32 --heads 2 --layers 2 --batch 2 --dtype "$DTYPE" --rounds 1 --warmup 0 --values 8,16 --variants none,torch_ckpt,ours_ckpt_swap)
     BENCH=(--layers 2 --dim 32 --heads 2 --seq 16 --batch 2 --steps 2 --threads 1)  # (losses compared bitwise across processes)
-    PLAN=(--models gpt --budgets 2 --rounds 1 --gpt-layers 2 --gpt-dim 32 --seq 16 --batch 2 --no-sac-ilp --no-solve-32)
+    PLAN=(--models gpt --budgets 2 --rounds 1 --gpt-layers 2 --gpt-dim 32 --seq 16 --batch 2 --no-sac-ilp --no-deep)
     T_GPU=0; T_CMP=0; T_SWEEP=0; T_BENCH=0; T_PLAN=0  # 0: no time limit (a test checks what ran, not how fast)
 elif [[ "${SUITE_QUICK:-0}" == "1" ]]; then
     BIG=(--dim 256 --heads 4 --layers 4 --seq 256 --batch 2 --dtype "$DTYPE" --rounds 3 --probe-mib 64)

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers", reason="transformers (the tes
 
 from hyper_parallel.core.activation_checkpoint import MemoryPlan, SwapManager, plan_memory  # noqa: E402
 from hyper_parallel.tools.memory import MemoryMeter  # noqa: E402
-from support.hf_families import FAMILIES, batch, build, loss  # noqa: E402
+from hyper_parallel.bench.hf_models import FAMILIES, batch, build, loss  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +40,7 @@ def _measured_peak(model, step, *track):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_fits_three_budgets_and_trains_bitwise(family):
     base = build(family, layers=3, hidden=64)
-    ids = batch(base, batch=2, seq=48, seed=1)
+    ids = batch(family, batch=2, seq=48, seed=1)
     model = copy.deepcopy(base)
     step = lambda: loss(model, ids).backward()  # noqa: E731
     first = plan_memory(model, step, "8GiB")
@@ -63,7 +63,7 @@ def test_every_family_fits_three_budgets_and_trains_bitwise(family):
         run()  # (the first step allocates the pool's host buffers)
         planned.zero_grad(set_to_none=True)
         holder = []
-        peak = _measured_peak(planned, lambda: holder.append(run()), ids)
+        peak = _measured_peak(planned, lambda: holder.append(run()), *ids.values())
         assert peak <= budget, f"{family} at {fraction}: {peak} > {budget}\n{plan.report()}"
         assert abs(plan.predicted_peak_bytes - peak) <= 0.01 * peak, (plan.predicted_peak_bytes, peak)
         assert torch.equal(holder[0], reference), (family, fraction)
@@ -98,7 +98,7 @@ class _Trainer:
         losses = []
         for m in range(self.micro_batches):
             torch.manual_seed(1000 * i + m)
-            ids = batch(self.model, batch=2, seq=48, seed=100 * i + m)
+            ids = batch("llama", batch=2, seq=48, seed=100 * i + m)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
                 out = loss(self.model, ids) / self.micro_batches
             (self.scaler.scale(out) if self.scaler else out).backward()
@@ -152,7 +152,7 @@ def test_a_real_training_step_is_planned_left_as_found_and_fits(kind):
 
 def test_a_step_that_runs_the_layers_twice_in_one_forward_is_refused_clearly():
     model = build("llama", layers=2, hidden=32)
-    ids = batch(model, batch=1, seq=8, seed=0)
+    ids = batch("llama", batch=1, seq=8, seed=0)
 
     def twice():
         loss(model, ids)
@@ -172,7 +172,7 @@ def test_a_step_fn_taking_a_batch_needs_batches():
 @pytest.mark.slow
 def test_a_bigger_batch_warns_or_raises_and_batches_plan_for_the_largest():
     base = build("llama", layers=3, hidden=64)
-    small, big = (batch(base, batch=b, seq=48, seed=b) for b in (2, 4))
+    small, big = (batch("llama", batch=b, seq=48, seed=b) for b in (2, 4))
     model = copy.deepcopy(base)
     first = plan_memory(model, lambda: loss(model, small).backward(), "8GiB")
     budget = (first.min_budget_bytes + first.reference_peak_bytes) // 2
@@ -202,7 +202,7 @@ def test_a_bigger_batch_warns_or_raises_and_batches_plan_for_the_largest():
     MemoryPlan.from_json(sampled.to_json(), fitted).apply(on_new_shape="raise")
     loss(fitted, big).backward()
     fitted.zero_grad(set_to_none=True)
-    assert _measured_peak(fitted, lambda: loss(fitted, big).backward(), big) <= sampled.budget_bytes
+    assert _measured_peak(fitted, lambda: loss(fitted, big).backward(), *big.values()) <= sampled.budget_bytes
 
 
 # ---------------------------------------------------------------------------- one plan
@@ -213,7 +213,7 @@ def test_times_within_noise_of_each_other_do_not_change_the_plan():
     from hyper_parallel.planner import Planner, active_prober
 
     base = build("llama", layers=3, hidden=32)
-    ids = batch(base, batch=2, seq=32, seed=1)
+    ids = batch("llama", batch=2, seq=32, seed=1)
     prober = active_prober()
     _, layers = prober.find_layers(base)
     planner = Planner(layers, prober.profile_step(layers, lambda: loss(base, ids).backward()), prober)
@@ -232,7 +232,7 @@ def test_times_within_noise_of_each_other_do_not_change_the_plan():
 @pytest.mark.slow
 def test_the_same_step_planned_twice_gives_the_same_plan():
     base = build("llama", layers=3, hidden=64)
-    ids = batch(base, batch=2, seq=48, seed=1)
+    ids = batch("llama", batch=2, seq=48, seed=1)
     first = plan_memory(base, lambda: loss(base, ids).backward(), "8GiB")
     for fraction in (0.3, 0.7):
         budget = int(first.min_budget_bytes + (first.reference_peak_bytes - first.min_budget_bytes) * fraction)

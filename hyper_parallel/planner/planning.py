@@ -32,9 +32,6 @@ _MAX_PROBES = 24
 TIME_TOLERANCE = 0.05
 #: A plan is checked by running it at most this many times (each over-budget run tightens the next).
 _CHECKS = 4
-#: What a checked plan leaves free under its budget: another meter of the same live storages (or
-#: the allocator's) may count a few more bytes (a scalar the step reads that it did not make).
-CHECK_MARGIN_BYTES = 4 << 10
 
 
 class Planner:
@@ -222,9 +219,9 @@ class Planner:
 
         ``measure(options)``: the step's peak with the layers wrapped so, measured by running it
         (``None``: it could not be run). The plan is then checked: where the measured peak is over
-        the budget (less :data:`CHECK_MARGIN_BYTES`), what the model missed is taken off the room and
-        the plan made again (a few times at most); a plan measured over budget is never returned,
-        and the plan's predicted peak is the measured one."""
+        the budget, what the model missed is taken off the room and the plan made again (a few
+        times at most); a plan measured over budget is never returned, and the plan's predicted
+        peak is the measured one."""
         budget_bytes = parse_budget(budget)
         reserved = int(reserved_bytes)
         room = budget_bytes - reserved
@@ -239,13 +236,13 @@ class Planner:
                 break
             log.info("checking the plan by running it (%d of at most %d)", check + 1, _CHECKS)
             measured = measure(chosen)
-            if measured is None or measured + CHECK_MARGIN_BYTES <= room:
+            if measured is None or measured <= room:
                 break
             if chosen == smallest:
                 chosen = None  # (nothing measures smaller)
                 break
             # (the model missed ``measured - predicted``; ask the next plan for that much less)
-            target -= measured + CHECK_MARGIN_BYTES - room
+            target -= measured - room
             chosen = None
         if chosen is None:
             raise self._no_plan(budget_bytes, reserved, measure)
@@ -254,7 +251,7 @@ class Planner:
         minimum, min_plan, _ = self.min_budget()
         if measure is not None:  # (the minimum reported is one a budget can ask for: measured too)
             min_measured = measured if min_plan == chosen else measure(min_plan)
-            minimum = max(minimum, min_measured + CHECK_MARGIN_BYTES if min_measured is not None else 0)
+            minimum = max(minimum, min_measured or 0)
         problem, _ = self._problem(measured_only=True)
         bound = solver.lower_bound(problem, room, self.resolution)
         if solver.have_scipy():
@@ -298,7 +295,7 @@ class Planner:
         if reserved:
             parts.append(("what the pipeline schedule holds besides (measured)", reserved))
         detail = "; ".join(f"{name} {format_bytes(n)}" for name, n in parts if n)
-        least = max(minimum, measured + CHECK_MARGIN_BYTES if measured is not None else 0) + reserved
+        least = max(minimum, measured or 0) + reserved
         how = " (measured: that plan ran once)" if measured is not None else ""
         return ValueError(
             f"plan_memory: no plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): the "

@@ -566,11 +566,20 @@ def _unrelated_bytes(recorder: _Recorder) -> int:
     (FSDP2's DTensor parameters) has no storage of its own: its inner tensors' storages count, as
     the meter counts them; storage objects count too, as the meter counts them. A tensor whose
     storage is not on the CPU is no memory here: a traced tensor kept by ``torch.compile``'s caches
-    says ``cpu`` but holds a meta storage of symbolic size."""
+    says ``cpu`` but holds a meta storage of symbolic size. A model the step reached is the step's
+    whole: a buffer of it the step never reads (a rotary table's unused copy) is device memory the
+    model holds, as an accelerator's allocator counts it."""
     seen, total = set(), 0
-    tensor_type, storage_type = torch.Tensor, torch.UntypedStorage
+    tensor_type, storage_type, module_type = torch.Tensor, torch.UntypedStorage, torch.nn.Module
     objs = gc.get_objects()
     try:
+        modules = [obj for obj in objs if issubclass(type(obj), module_type)]
+        children = {id(c) for m in modules for c in m._modules.values() if c is not None}
+        used = recorder.reached.keys() | recorder.created.keys()
+        for root in (m for m in modules if id(m) not in children):
+            keys = {_storage_key(t) for p in [*root.parameters(), *root.buffers()] for t in local_tensors(p)}
+            if keys & used:
+                seen |= keys  # (the model's own: not unrelated)
         for obj in objs:
             if type(obj) is storage_type:
                 storages = [(untyped_storage_key(obj), obj)]
