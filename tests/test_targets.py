@@ -504,3 +504,33 @@ def test_docstring_examples():
     for module in (targets, roofline, allocator, calibrate, model_configs, torch_op_cost, torch_calibrate, cli):
         result = doctest.testmod(module, verbose=False)
         assert result.failed == 0, module.__name__
+
+
+# ------------------------------------------------------------------------------------------ the doc
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "targets.md")
+
+
+def test_the_doc_lists_every_target_with_its_figures_and_its_json_example_loads():
+    text = open(DOC).read()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in text.splitlines()
+            if line.startswith("| `") and line.split("|")[1].strip().strip("`") in TARGETS}
+    assert set(rows) == set(TARGETS)
+    for key, line in rows.items():
+        t = TARGETS[key]
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        assert cells[1] == t.name and cells[2] == f"{t.memory_bytes // GiB} GiB", key
+        assert float(cells[3].split()[0].replace(",", "")) * 1e12 == pytest.approx(t.peak_flops["bfloat16"]), key
+        assert float(cells[7].split()[0]) * 1e12 == pytest.approx(t.hbm_bytes_per_s), key
+        assert float(cells[8].split()[0]) * 1e9 == pytest.approx(t.host_link_bytes_per_s), key
+        assert cells[9] == t.allocator, key
+    example = text.split("```json", 1)[1].split("```", 1)[0]
+    mine = Target.from_json(json.loads(example))
+    assert mine.memory_bytes == 180 * GiB and mine.efficiency["matmul"] == 0.65 and mine.efficiency["memory"] == 0.8
+
+
+def test_efficiencies_from_a_calibration_against_the_published_figures():
+    h100 = target("h100-sxm")
+    measured = Target("measured", 80 * GiB, {"bfloat16": 600e12}, 3.0e12, 80e9, calibrated=True)
+    eff = calibrate.efficiencies_against(measured, h100)
+    assert eff == {"matmul": pytest.approx(600 / 989.4), "memory": pytest.approx(3.0 / 3.35), "copy": 1.0}
+    assert h100.replace(efficiency=eff).efficiency["attention"] == 0.5

@@ -33,7 +33,8 @@ from typing import Callable, Dict, Optional, Sequence
 
 from .targets import DTYPES, Target
 
-__all__ = ["MicroBench", "Sizes", "CPU_SIZES", "ACCELERATOR_SIZES", "calibrate", "host_memory_bytes", "best_seconds"]
+__all__ = ["MicroBench", "Sizes", "CPU_SIZES", "ACCELERATOR_SIZES", "calibrate", "host_memory_bytes", "best_seconds",
+           "efficiencies_against"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,3 +144,26 @@ def calibrate(bench: MicroBench, sizes: Optional[Sizes] = None) -> Target:
         ),
         calibrated=True,
     )
+
+
+def efficiencies_against(measured: Target, published: Target, dtype: str = "bfloat16") -> Dict[str, float]:
+    """The efficiencies a calibration on a real device gives a published target: the measured
+    matmul rate in ``dtype`` over the published peak, the measured copy bandwidth over the
+    published HBM bandwidth, the measured host copies over the published link (each capped at 1).
+    ``attention`` is not measured and is left out. Use it as
+    ``published.replace(efficiency=efficiencies_against(calibrated, published))``.
+
+    >>> from hyper_parallel.planner.targets import target
+    >>> h100 = target("h100-sxm")
+    >>> run = h100.replace(name="measured", peak_flops={"bfloat16": 692.6e12}, hbm_bytes_per_s=2.68e12,
+    ...                    host_link_bytes_per_s=51.2e9)
+    >>> {k: round(v, 3) for k, v in efficiencies_against(run, h100).items()}
+    {'matmul': 0.7, 'memory': 0.8, 'copy': 0.8}
+    """
+    if dtype not in measured.peak_flops or dtype not in published.peak_flops:
+        raise ValueError(f"both targets need a {dtype} peak to compare their matmul rates")
+    return {
+        "matmul": min(1.0, measured.peak_flops[dtype] / published.peak_flops[dtype]),
+        "memory": min(1.0, measured.hbm_bytes_per_s / published.hbm_bytes_per_s),
+        "copy": min(1.0, measured.host_link_bytes_per_s / published.host_link_bytes_per_s),
+    }
