@@ -534,3 +534,19 @@ def test_efficiencies_from_a_calibration_against_the_published_figures():
     eff = calibrate.efficiencies_against(measured, h100)
     assert eff == {"matmul": pytest.approx(600 / 989.4), "memory": pytest.approx(3.0 / 3.35), "copy": 1.0}
     assert h100.replace(efficiency=eff).efficiency["attention"] == 0.5
+
+
+def test_an_optimizer_step_is_priced_by_the_bytes_it_reads_and_writes():
+    """In-place ops that return nothing (``_foreach_add_``, ``_fused_adamw_``) write their mutable
+    arguments: those bytes count."""
+    params, grads = [meta(10, dtype=torch.float32) for _ in range(3)], [meta(10, dtype=torch.float32) for _ in range(3)]
+    cost = op_cost(aten._foreach_add_.List, (params, grads), {}, None)
+    assert cost == ("memory", 0, 3 * 40 + 3 * 40 + 3 * 40, "float32")
+    with torch.device("meta"):
+        p = torch.nn.Parameter(torch.empty(100))
+        p.grad = torch.empty(100)
+        opt = torch.optim.AdamW([p], foreach=True)
+        with OpCostMode() as mode:
+            opt.step()
+    assert mode.log.bytes_moved["memory"] > 4 * 400 and "aten._foreach_addcdiv_" in mode.log.bytes_only
+    assert not any(name.startswith("profiler.") for name in mode.log.bytes_only)

@@ -128,6 +128,18 @@ def _argument(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], name: st
     return default
 
 
+def _mutated(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[Any]:
+    """The arguments the op's schema says it writes to."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            out.append(kwargs[arg.name] if arg.name in kwargs else args[i] if i < len(args) else None)
+    return out
+
+
 def _causal_share(query: Any, key: Any) -> float:
     """The share of the (L x S) score matrix a top-left causal mask keeps (PyTorch's ``is_causal``:
     row i sees keys 0..i)."""
@@ -199,14 +211,17 @@ def op_cost(func: Any, args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]] =
     first_float = next((t for t in inputs + outputs if t.dtype.is_floating_point or t.dtype.is_complex), None)
     dtype = dtype_name(first_float.dtype) if first_float is not None else (
         dtype_name(inputs[0].dtype) if inputs else "float32")
-    if getattr(func, "is_view", False) or name in METADATA_OPS:
+    if getattr(func, "is_view", False) or name in METADATA_OPS or name.startswith("profiler."):
+        # (profiler.* : the record_function markers optimizers and modules emit, no work)
         return OpCost("memory", 0, 0, dtype)
     seen: Dict[int, torch.Tensor] = {}
     for i, t in enumerate(inputs):
         if i == 0 and name in _OVERWRITES_FIRST:  # (written, not read: counted once, as an output)
             continue
         seen.setdefault(id(t), t)
-    moved = sum(_nbytes(t) for t in seen.values()) + sum(t.numel() * t.element_size() for t in outputs)
+    # (an in-place op that returns nothing, _foreach_add_ or _fused_adamw_, writes its mutable arguments)
+    written = outputs if outputs else _tensors(_mutated(func, args, kwargs))
+    moved = sum(_nbytes(t) for t in seen.values()) + sum(t.numel() * t.element_size() for t in written)
     formula = _FORMULAS.get(packet)
     if formula is None:
         if bytes_only is not None and name not in DATA_MOVEMENT_OPS:
