@@ -10,7 +10,8 @@ FLOPs, the bytes it moves, and the dtype its arithmetic runs in (the planner's P
   count is scaled by the unmasked share of the score matrix (``causal_skip=False`` keeps the full
   count, which is what ``FlopCounterMode`` reports). Every other op counts 0 FLOPs.
 - **Bytes moved**: the bytes of the tensor inputs it reads (a broadcast input counts the
-  elements it holds, not the broadcast shape) plus the outputs it writes. Views and
+  elements it holds, not the broadcast shape) plus the outputs it writes (an in-place op that
+  returns nothing, such as an optimizer's ``_foreach_add_``: the arguments it writes). Views and
   metadata-only ops (``view``, ``expand``, ``transpose``, ``detach``, ``_unsafe_view``, ...) and
   allocations that write nothing (``empty``) move 0.
 - **Op class**: ``"attention"`` for the attention kernels, ``"matmul"`` for the other ops with a
