@@ -169,6 +169,7 @@ class Planner:
             chosen = min_plan  # (the programme rounds bytes up: at the very edge only the minimum fits)
         if chosen is not None:
             chosen = self._polish(chosen, room)
+        chosen = self._fitting(chosen, room, min_plan, minimum)
         if chosen is None:
             parts = breakdown(self.profile, self.assignment_effects(min_plan), where)
             if reserved:
@@ -195,6 +196,17 @@ class Planner:
                           reference_step_s=step0, device=self.profile.device, notes=self.profile.notes,
                           probes=self.probes, reserved_bytes=reserved, microbatches_in_flight=self.in_flight,
                           reference_forward_s=self.forward_seconds())
+
+    def _fitting(self, chosen: Optional[List[LayerOption]], room: int, min_plan: List[LayerOption],
+                 minimum: int) -> Optional[List[LayerOption]]:
+        """``chosen`` if its exact prediction fits ``room``; else the minimum-peak plan
+        ``min_plan`` (peak ``minimum``) if that fits; else ``None``. The solver bounds some terms
+        (what later layers leave after their backward) and rounds bytes: the exact prediction,
+        the one a plan reports, decides."""
+        if chosen is not None:
+            if predict(self.profile, self.assignment_effects(chosen), self.in_flight).peak_bytes <= room:
+                return chosen
+        return min_plan if 0 < minimum <= room else None
 
     def reference_peak(self) -> int:
         """The step's predicted peak with every layer left as it is (each other micro-batch in
