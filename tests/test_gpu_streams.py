@@ -15,7 +15,9 @@ in flight is overwritten:
 * the same schedules run under PyTorch's stream sanitizer, ``TORCH_CUDA_SANITIZER=1``, in a
   subprocess (``test_schedules_under_the_stream_sanitizer``), which also checks that the
   sanitizer does catch a missing wait there;
-* each of the four primitives, mutated by monkeypatching, is caught (``test_mutated_primitive_is_caught``).
+* each of the four primitives, mutated by monkeypatching, is caught (``test_mutated_primitive_is_caught``);
+* with two devices, a group on the second one copies on copy streams made on it
+  (``test_copy_streams_are_made_on_the_tensors_device``).
 
 Self-contained (its own small net), runnable from the source tree with ``PYTHONPATH`` (no
 install): ``PYTHONPATH=. python -m pytest tests/test_gpu_streams.py``. ``benchmarks/gpu_suite.sh``
@@ -309,3 +311,40 @@ def test_mutated_primitive_is_caught(checks, monkeypatch, primitive):
     monkeypatch.setattr(TorchBackend, primitive, mutant)
     schedule(checks)
     assert checks.problems, f"TorchBackend.{primitive} mutated, and {schedule.__name__} noticed nothing"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices: a copy stream made on the current device instead of the "
+                           "tensor's is only wrong where there is another device (the simulated device, which "
+                           "replaces new_copy_stream, covers the engine's per-device choice on CPU)")
+def test_copy_streams_are_made_on_the_tensors_device(checks):
+    """With device 0 current, ``TorchBackend.new_copy_stream`` for device 1 makes a stream of
+    device 1, and a group on device 1 copies on it: every copy runs on a device-1 copy stream and
+    the gradients are exact.
+
+    Caught mutation: ``self._dm.Stream(device=device)`` -> ``self._dm.Stream()`` (the stream of
+    the current device, 0)."""
+    one = torch.device("cuda", 1)
+    with torch.cuda.device(0):
+        assert TorchBackend().new_copy_stream(one).device == one
+        plain = Net().to(one)
+        plain(_input().to(one)).backward()
+        expected = _grads(plain)
+        mgr = SwapManager()
+        net = Net().to(one)
+        for i, layer in enumerate(net.layers):
+            net.layers[i] = swap_wrapper(layer)
+        mgr.set_current_group_name("g")
+        loss = net(_input().to(one))
+        mgr.set_current_group_name(None)
+        mgr.launch_offload("g")
+        mgr.wait_offload("g")
+        mgr.launch_load("g")
+        mgr.wait_load("g")
+        loss.backward()
+        torch.cuda.synchronize(one)
+    assert checks.copy_streams and all(s.device == one for s in checks.copy_streams), \
+        [s.device for s in checks.copy_streams]
+    got = _grads(net)
+    assert got.keys() == expected.keys()
+    assert all(torch.allclose(got[k], expected[k], rtol=1e-5, atol=1e-6) for k in expected)

@@ -10,7 +10,7 @@ from torch import nn
 from hyper_parallel.core.activation_checkpoint import (
     CheckpointPolicy, SwapManager, checkpoint_wrapper, swap_wrapper)
 
-from support.swap_models import (ManagerSpy, ToyNet, assert_tensors_equal, chain, follows_memory, grads, group,
+from support.swap_models import (ManagerSpy, ToyNet, assert_tensors_equal, chain, grads, group,
                                  make_input)
 
 # Every test also runs on the simulated asynchronous device, stream-ordering checker on ([sim]).
@@ -70,12 +70,10 @@ def test_call_order(kind):
     i-1's launch skipped because the caller still held it); backward launches the
     predecessor's load, then waits its own. Checkpointed layers (whose recompute re-runs their
     forward) give exactly the same calls: the hooks do not fire during recompute. (The RFC's
-    schedule, which is the default on a device with a copy stream; on CPU it is chosen with
-    set_prefetch_budget(None), see test_load_schedule.py for the CPU default.)"""
+    schedule, the default on every device.)"""
     net = _net(kind, dropout=0.1)
     x = make_input(net)
     mgr = SwapManager()
-    mgr.set_prefetch_budget(None)
     assert [mgr.layer_group_name(layer) for layer in net.layers] == [f"layer_{i}" for i in range(N_LAYERS)]
     with ManagerSpy() as spy:
         torch.manual_seed(0)
@@ -139,8 +137,8 @@ def test_hooks_silent_while_recomputing_chained_sublayers():
 
 def test_backward_entered_in_the_middle_loads_on_demand():
     """The loss depends on layer 1 only: layer 1's group was offloaded (layer 2 ran after it)
-    and nothing prefetched it; its backward loads it rather than fail (with a copy stream, one
-    launch when its backward starts; with synchronous copies, each tensor as autograd uses it)."""
+    and nothing prefetched it; its backward loads it rather than fail (one launch when its
+    backward starts, waited there)."""
     net = _net("swap_wrapper")
     x = make_input(net)
     base = ToyNet(layers=N_LAYERS)
@@ -160,8 +158,7 @@ def test_backward_entered_in_the_middle_loads_on_demand():
         outs[1].square().mean().backward()
     after = SwapManager().stats()["groups"]["layer_1"]
     assert after["loaded_bytes"] - before["loaded_bytes"] > 0
-    if not follows_memory():
-        assert ("launch_load", "layer_1") in spy.calls and ("wait_load", "layer_1") in spy.calls
+    assert ("launch_load", "layer_1") in spy.calls and ("wait_load", "layer_1") in spy.calls
     assert_tensors_equal(grads(net), grads(base), "middle entry")
 
 
@@ -183,7 +180,6 @@ def test_unchained_layer_has_no_group_name():
 def test_registration_is_idempotent():
     net = _net("swap_wrapper")
     mgr = SwapManager()
-    mgr.set_prefetch_budget(None)  # the RFC's call order
     names = mgr.group_names()
     hooks = [(len(l._forward_pre_hooks), len(l._forward_hooks)) for l in net.layers]
     assert hooks == [(1, 1)] * N_LAYERS

@@ -1,6 +1,6 @@
-"""The memory-bounded load schedule of the layer chain: the CPU default (copies are synchronous:
-offload at once, each tensor loaded when backward uses it), a byte budget for what is prefetched ahead, loads of only the
-forward whose backward runs (gradient accumulation), and the memory that buys."""
+"""The layer chain's schedule on a CPU build (the accelerator's launches and waits, each copy done
+when it returns), a byte budget for what is prefetched ahead, loads of only the forward whose
+backward runs (gradient accumulation), and the memory that buys."""
 
 from __future__ import annotations
 
@@ -9,30 +9,14 @@ import torch
 
 from hyper_parallel.bench.model import GPT, GPTConfig, make_batch
 from hyper_parallel.bench.modes import swap_matmuls
-from hyper_parallel.core.activation_checkpoint import SwapManager, checkpoint_wrapper, swap_wrapper, wrap_layers
+from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper, wrap_layers
 from hyper_parallel.core.swap_tensor import TensorState
 from hyper_parallel.tools.memory import MemoryMeter
 
-from support.swap_models import (ManagerSpy, ToyNet, add_swap, assert_tensors_equal, chain, follows_memory, grads,
+from support.swap_models import (ManagerSpy, ToyNet, add_swap, assert_tensors_equal, chain, grads,
                                  make_input)
 
 N_LAYERS = 4
-
-# CPU default: every layer's offload is waited right after its launch (the last one's too), its
-# predecessor's input (held by the caller at the first launch) is retried, also waited at once, when
-# the next layer ends (the chain retries only from a layer that has a successor, as on an
-# accelerator, where nothing would wait a retry launched by the last layer); backward makes no load
-# call: each offloaded tensor is loaded when autograd unpacks it.
-CPU_FORWARD_CALLS = [
-    ("launch_offload", "layer_0"), ("wait_offload", "layer_0"),
-    ("launch_offload", "layer_1"), ("wait_offload", "layer_1"),
-    ("retry_offload", "layer_0"), ("wait_offload", "layer_0"),
-    ("launch_offload", "layer_2"), ("wait_offload", "layer_2"),
-    ("retry_offload", "layer_1"), ("wait_offload", "layer_1"),
-    ("launch_offload", "layer_3"), ("wait_offload", "layer_3"),
-]
-CPU_BACKWARD_CALLS: list = []
-
 
 def _swapped_net(**kw) -> ToyNet:
     net = ToyNet(layers=N_LAYERS, **kw)
@@ -42,39 +26,42 @@ def _swapped_net(**kw) -> ToyNet:
     return net
 
 
-def test_cpu_default_offloads_at_once_and_loads_on_demand():
+def test_the_cpu_runs_the_accelerators_timetable():
+    """Without a copy stream what is on the device when each layer's backward starts is what the
+    accelerator's schedule holds there (its calls, the same on every backend, are checked in
+    tests/test_layer_chain.py): the layer's own swapped tensors (loaded one layer earlier) and
+    its predecessor's (prefetched now); every layer below holds only what never left (the inputs
+    the caller held)."""
     mgr = SwapManager()
-    assert not mgr.copies_overlap() and mgr.prefetch_budget() == 0
+    assert mgr.prefetch_budget() is None
     net = _swapped_net(dropout=0.1)
     x = make_input(net)
     at_start = []
 
+    def resident():
+        return {i: mgr._group(f"layer_{i}").resident_swap_bytes() for i in range(N_LAYERS)}
+
     def note(i):  # a grad hook on layer i's output, registered after the chain's own
-        return lambda g: at_start.append((i, mgr._group(f"layer_{i}").resident_swap_bytes()))
+        return lambda g: at_start.append((i, resident()))
 
     for i, layer in enumerate(net.layers):
         layer.register_forward_hook(lambda m, a, out, i=i: [out.register_hook(note(i)), None][1])
-    with ManagerSpy() as spy:
-        torch.manual_seed(0)
-        loss = net(x)
-        assert spy.calls == CPU_FORWARD_CALLS
-        # after forward only the last two layers' inputs are left (held by the caller when their
-        # groups were launched, and no later layer end retries them)
-        assert mgr.resident_swap_bytes() <= 2 * x.nbytes
-        after_forward = {i: mgr._group(f"layer_{i}").resident_swap_bytes() for i in range(N_LAYERS)}
-        spy.clear()
-        # When each layer's backward starts (its output's gradient is ready), none of its
-        # offloaded tensors is on the device yet: they come back one by one as autograd uses them
-        # (a per-layer load would have brought the whole layer back here).
-        loss.backward()
-        assert spy.calls == CPU_BACKWARD_CALLS
-        assert [i for i, _ in at_start] == [3, 2, 1, 0]
-        # what is resident then is what never left (the inputs held by the caller), not a load
-        assert at_start == [(i, after_forward[i]) for i in (3, 2, 1, 0)], (at_start, after_forward)
+    torch.manual_seed(0)
+    loss = net(x)
+    # after forward: the last layer (never offloaded) and the input of the one before it (held by
+    # the caller at its launch, and no later layer end retries it)
+    after_forward = resident()
+    assert after_forward[0] == after_forward[1] == 0 and after_forward[2] == x.nbytes
+    loss.backward()
+    whole = {i: mgr.stats()["groups"][f"layer_{i}"]["offloaded_bytes"] + after_forward[i] for i in range(N_LAYERS)}
+    for i, seen in at_start:
+        expected = {j: whole[j] if j in (i - 1, i) else 0 if j > i else after_forward[j] for j in range(N_LAYERS)}
+        assert seen == expected, (i, seen, expected)
+    assert [i for i, _ in at_start] == [3, 2, 1, 0]
     reference = ToyNet(layers=N_LAYERS, dropout=0.1)
     torch.manual_seed(0)
     reference(x).backward()
-    assert_tensors_equal(grads(net), grads(reference), "cpu default schedule")
+    assert_tensors_equal(grads(net), grads(reference), "the chain on a CPU build")
     s = mgr.stats()
     assert s["offloaded_bytes"] == s["loaded_bytes"] > 0 and s["host_pool"]["in_use_bytes"] == 0
 
@@ -89,7 +76,7 @@ def test_budget_none_restores_the_rfc_schedule_and_validates():
         with pytest.raises(TypeError, match="number of bytes"):
             mgr.set_prefetch_budget(bad)
     mgr.reset()
-    assert mgr.prefetch_budget() == 0  # back to the device's default
+    assert mgr.prefetch_budget() is None  # back to the default
 
 
 def test_limited_load_goes_in_backward_use_order_and_leaves_the_rest_on_the_host():
@@ -160,26 +147,32 @@ def test_gradient_accumulation_loads_only_the_forward_whose_backward_runs():
     assert_tensors_equal(grads(net), grads(reference), "accumulated")
 
 
-def _step_peaks(mode: str):
-    """(forward peak, step peak) of a small bench GPT, batch 4."""
-    fwd, step, _ = _gpt_step(mode, GPTConfig(vocab=64, dim=64, heads=2, layers=6, seq=64, dropout=0.0), batch=4)
+def _step_peaks(mode: str, budget=None):
+    """(forward peak, step peak) of a small bench GPT, batch 4 (``budget``: the prefetch budget)."""
+    cfg = GPTConfig(vocab=64, dim=64, heads=2, layers=6, seq=64, dropout=0.0)
+    fwd, step, _ = _gpt_step(mode, cfg, batch=4, budget=budget)
     return fwd, step
 
 
 @pytest.mark.slow
-def test_swap_peak_is_no_higher_than_recompute_on_cpu():
-    """Live-storage meter, not the library's counters: with the default schedule a swap_wrapper
-    stack holds, in backward, the running layer's reloaded tensors freed as they are used."""
-    _, recompute = _step_peaks("recompute")
-    _, swap = _step_peaks("swap_wrapper")
+def test_swap_peaks_on_cpu_follow_the_schedule():
+    """Live-storage meter, not the library's counters: a chained swap_wrapper stack holds a few
+    layers' activations (in forward the running layer, its predecessor's offload and the last
+    layer, never offloaded; in backward the running layer and its prefetched predecessor), well
+    under half of what the plain stack holds; with a prefetch budget of 0 nothing is loaded ahead,
+    so the step peaks where the forward does, lower than with the whole predecessor prefetched."""
     _, none = _step_peaks("none")
-    assert swap <= recompute < none
+    forward, step = _step_peaks("swap_wrapper")
+    lean_forward, lean_step = _step_peaks("swap_wrapper", budget=0)
+    assert forward == lean_forward < step < none / 2
+    assert lean_step == lean_forward
 
 
-def _gpt_step(mode: str, cfg: GPTConfig, batch: int = 2):
+def _gpt_step(mode: str, cfg: GPTConfig, batch: int = 2, budget=None):
     """One metered step of the bench GPT: (forward peak, step peak, gradients)."""
     tokens, targets = make_batch(cfg, batch, seed=0)
     SwapManager().reset()
+    SwapManager().set_prefetch_budget(budget)
     model = GPT(cfg, seed=0)
     if mode == "recompute":
         wrap_layers(model.layers, chain=False)
@@ -196,32 +189,9 @@ def _gpt_step(mode: str, cfg: GPTConfig, batch: int = 2):
     return forward_peak, meter.peak_above_baseline, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_cpu_default_offloads_dropped_tensors_during_the_layer(monkeypatch):
-    """Where copies are synchronous, what a chained layer saved and its forward already dropped is
-    offloaded while the layer runs (every EARLY_OFFLOAD_CHUNK saved bytes), as save_on_cpu would:
-    the forward peak falls below recompute's, which it does not when offloads wait for the layer's
-    end; gradients stay bitwise equal. Live-storage meter, not the library's counters."""
-    import hyper_parallel.core.storage as storage_module
-
-    cfg = GPTConfig(vocab=64, dim=128, heads=2, layers=4, seq=256, dropout=0.0)  # ~1 MiB tensors
-    assert follows_memory()
-    fwd_none, _, expected = _gpt_step("none", cfg)
-    fwd_recompute, step_recompute, _ = _gpt_step("recompute", cfg)
-    fwd_swap, step_swap, got = _gpt_step("swap_wrapper", cfg)
-    assert_tensors_equal(got, expected, "early offload")
-    early = SwapManager().stats()
-    assert early["offloaded_bytes"] == early["loaded_bytes"] > 0
-    monkeypatch.setattr(storage_module, "EARLY_OFFLOAD_CHUNK", 1 << 40)  # offload at the layer's end only
-    fwd_late, _, _ = _gpt_step("swap_wrapper", cfg)
-    late = SwapManager().stats()
-    assert early["offload_launches"] > late["offload_launches"]
-    assert fwd_swap <= fwd_recompute < fwd_late < fwd_none
-    assert step_swap <= step_recompute
-
-
-def test_cpu_default_gradient_accumulation_with_early_offload():
-    """Two forwards before their backwards, each layer saving ~1 MiB tensors (so the early offload
-    runs): every offloaded tensor comes back when its own backward uses it, gradients bitwise."""
+def test_gradient_accumulation_with_the_backwards_in_reverse_order():
+    """Two forwards of a chained GPT before their backwards, the second one's first: each backward
+    loads its own forward's tensors, gradients bitwise."""
     cfg = GPTConfig(vocab=64, dim=128, heads=2, layers=3, seq=256, dropout=0.0)
     batches = [make_batch(cfg, 2, seed=s) for s in (0, 1)]
 
@@ -237,33 +207,14 @@ def test_cpu_default_gradient_accumulation_with_early_offload():
 
     expected = run(False)
     got = run(True)
-    assert_tensors_equal(got, expected, "accumulated, early offload")
+    assert_tensors_equal(got, expected, "accumulated, backwards in reverse order")
     s = SwapManager().stats()
-    assert 0 < s["loaded_bytes"] <= s["offloaded_bytes"] and s["host_pool"]["in_use_bytes"] == 0
-    assert s["offload_launches"] > 2 * cfg.layers  # more than one launch per layer and forward: early ones
+    assert 0 < s["loaded_bytes"] == s["offloaded_bytes"] and s["host_pool"]["in_use_bytes"] == 0
 
 
-def test_cpu_default_offloads_swapped_outputs_between_the_ops_of_a_selective_region(monkeypatch):
-    """MUST_SWAP matmul outputs (+ swapped inputs) of checkpointed, chained layers: where copies are
-    synchronous, an output the forward has dropped leaves at the region's next op, so the forward
-    peak is no higher than recompute's; only at the next swapped op or the layer's end (the
-    control) it is higher. Gradients bitwise; live-storage meter."""
-    from hyper_parallel.core.storage import Storage
-
-    cfg = GPTConfig(vocab=64, dim=128, heads=2, layers=4, seq=256, dropout=0.0)
-    _, _, expected = _gpt_step("none", cfg)
-    fwd_recompute, step_recompute, _ = _gpt_step("recompute", cfg)
-    fwd_swap, step_swap, got = _gpt_step("swap", cfg)
-    assert_tensors_equal(got, expected, "selective swap, early offload")
-    assert fwd_swap <= fwd_recompute and step_swap <= step_recompute
-    monkeypatch.setattr(Storage, "offload_dropped", lambda self: None)
-    fwd_late, _, _ = _gpt_step("swap", cfg)
-    assert fwd_late > fwd_recompute
-
-
-def test_cpu_offload_at_once_under_a_host_cap_keeps_the_rest_and_stays_bitwise():
-    """The offload of the CPU schedule, waited at once, honours the host cap: what does not fit
-    stays on the device (kept 'host_limit'), the rest goes and comes back; gradients bitwise."""
+def test_the_chain_under_a_host_cap_keeps_the_rest_and_stays_bitwise():
+    """The chain's offloads honour the host cap: what does not fit stays on the device (kept
+    'host_limit'), the rest goes and comes back; gradients bitwise."""
     mgr = SwapManager()
     net = _swapped_net()
     x = make_input(net)
@@ -277,7 +228,7 @@ def test_cpu_offload_at_once_under_a_host_cap_keeps_the_rest_and_stays_bitwise()
     s = mgr.stats()
     assert s["kept_bytes"].get("host_limit", 0) > 0 and 0 < s["offloaded_bytes"] == s["loaded_bytes"]
     assert s["host_pool"]["reserved_bytes"] <= per_layer and s["host_pool"]["in_use_bytes"] == 0
-    assert_tensors_equal(grads(net), grads(reference), "cpu offload at once under a host cap")
+    assert_tensors_equal(grads(net), grads(reference), "the chain under a host cap")
 
 
 def test_failing_copy_of_a_cpu_offload_leaves_the_tensor_usable(monkeypatch):
@@ -316,38 +267,43 @@ def test_failing_copy_of_a_cpu_offload_leaves_the_tensor_usable(monkeypatch):
     assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
 
 
-def test_cpu_schedule_accounting_shared_once_and_one_load_per_tensor():
-    """The statistics of the offloads and loads on use of the CPU schedule, against what the
-    model saves: the parent's mask (saved by every layer, held by the model) and the inputs the
-    caller still holds stay 'shared', each storage counted once (the network input is retried and
-    still held; the last two layers' inputs are never retried); layer 1's input, skipped at its
-    layer's end and offloaded by the retry, is taken back out of 'shared'. Backward loads each
-    offloaded storage in one launch of its own: one per storage the layers save, less the mask and
-    the three inputs that stay."""
+def test_schedule_accounting_shared_once_and_one_load_per_offloaded_layer():
+    """The statistics of the chain's offloads and loads, against what the model saves: in the
+    layers that are offloaded (all but the last), the parent's mask (saved by every layer, held by
+    the model) and the inputs the caller still holds stay 'shared', each storage counted once (the
+    network input is retried and still held; the input of the layer before the last is never
+    retried); layer 1's input, skipped at its layer's end and offloaded by the retry, is taken back
+    out of 'shared'. Every other storage those layers save is offloaded, and backward loads each
+    such layer in one launch."""
     mgr = SwapManager()
     net = _swapped_net()
     x = make_input(net)
     net(x).backward()
     s = mgr.stats()
-    assert s["kept_bytes"]["shared"] == N_LAYERS * net.mask.nbytes + 3 * x.nbytes, s["kept_bytes"]
+    assert s["kept_bytes"]["shared"] == (N_LAYERS - 1) * net.mask.nbytes + 2 * x.nbytes, s["kept_bytes"]
     assert s["offloaded_bytes"] == s["loaded_bytes"] > 0
-    assert s["load_launches"] == _storages_saved_in_layers(ToyNet(layers=N_LAYERS), x) - 3
+    assert s["load_launches"] == N_LAYERS - 1
+    # every other storage of those layers left: what they save, less the two inputs that stayed
+    saved = _bytes_saved_in_layers(ToyNet(layers=N_LAYERS), x, N_LAYERS - 1)
+    assert s["offloaded_bytes"] == saved - 2 * x.nbytes, (s["offloaded_bytes"], saved)
 
 
-def _storages_saved_in_layers(net: ToyNet, x: torch.Tensor) -> int:
-    """How many distinct storages, parameters and buffers aside, the layers of an unwrapped
-    ``net`` save for backward in one forward of ``x``."""
+def _bytes_saved_in_layers(net: ToyNet, x: torch.Tensor, layers: int) -> int:
+    """The bytes of the distinct storages, parameters and buffers aside, that the first ``layers``
+    layers of an unwrapped ``net`` save for backward in one forward of ``x``."""
     static = {t.untyped_storage().data_ptr() for t in list(net.parameters()) + list(net.buffers())}
-    inside, saved = [False], set()
-    for layer in net.layers:
+    inside, saved = [False], {}
+    for layer in net.layers[:layers]:
         layer.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True))
         layer.register_forward_hook(lambda m, a, o: inside.__setitem__(0, False))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if inside[0] and t.untyped_storage().data_ptr() not in static:
-            saved.add(t.untyped_storage().data_ptr())
+        storage = t.untyped_storage()
+        if inside[0] and storage.data_ptr() not in static:
+            saved[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        net(x)
-    return len(saved)
+        loss = net(x)
+    del loss
+    return sum(saved.values())

@@ -1,10 +1,11 @@
-"""The five hazard classes of issue 25: ordering points that no test caught when the *code* was
-mutated (``python -m hyper_parallel.testing.mutations``). Today's code is correct at each of them;
-each test here runs one schedule on the simulated device, checks it is clean and exact, and fails
-when the one point it protects is mutated. Its docstring names that mutation (solo: each storage
-copied by itself; buckets: the toy's small storages share one host buffer, whose guard is the
-bucket's); each was applied by hand once and seen to fail the test, and the mutation runner
-applies them all again."""
+"""Ordering points that the broad mutation tests (``tests/test_stream_mutations.py``) do not reach:
+the hazard classes of host buffers reused across copy streams and devices, storages saved or
+allocated on side streams, launches split over several copy streams, partial cancels, and the
+layer chain's prefetch of one forward among several. Today's code is correct at each; each test
+here runs one schedule on the simulated device, checks it is clean and exact, and fails when the
+one point it protects is mutated. Its docstring names that mutation (solo: each storage copied
+by itself; buckets: the toy's small storages share one host buffer, whose guard is the bucket's);
+each was applied by hand and seen to fail the test."""
 
 from __future__ import annotations
 
@@ -126,3 +127,79 @@ def test_graph_dying_mid_d2h_protects_its_sources(bucketing):
     ``SwapTensor.__del__`` (a source freed while the D2H on copy0 reads it: poisoned)."""
     sim = _assert_clean(sc.graph_dies_mid_d2h)
     assert sim.counts["record_stream"] > 0
+
+
+# ------------------------------------------------------------------ launches on several copy streams
+def test_one_wait_waits_a_load_split_over_two_copy_streams(bucketing):
+    """A load split in two launches, on copy streams 1 and 2 (``limit_bytes``, then the rest), and
+    one ``wait_load``: compute waits both launches' events, not only the last one's (a copy
+    stream orders only its own copies).
+
+    Caught mutation: ``SwapGroup._wait`` waiting only the last event per device (the first
+    half's H2D on copy1 is never waited: backward reads the fresh 0xFF destinations)."""
+    _assert_clean(sc.load_split_over_two_copy_streams)
+
+
+def test_one_wait_waits_two_offload_launches_on_two_copy_streams(bucketing):
+    """Two forwards into one group, offloaded on copy streams 1 and 2, then one ``wait_offload``:
+    both launches' D2H are waited before their sources are released.
+
+    Caught mutation: ``SwapGroup._wait`` waiting only the last event per device (the first
+    forward's sources are freed while their D2H on copy1 is queued: poisoned)."""
+    result, violations, sim = sc.run_simulated(sc.two_offload_launches_one_wait)
+    assert not violations, violations[:2]
+    assert sim.counts["poisoned"] == 0, sim.counts
+    assert not isinstance(result, Exception), repr(result)
+    assert sc.equal_grads(result, sc.reference_two_forwards())
+
+
+def test_a_partial_cancel_drops_only_the_cancelled_part(bucketing):
+    """A load of the tensors backward needs first while the group's offload is in flight cancels
+    those offloads only: ``wait_offload`` then waits the rest and releases it, so only the
+    cancelled bytes stay on the device.
+
+    Caught mutation: ``SwapGroup._cancel_offloads`` dropping the whole flight (``wait_offload``
+    raises a false "cancelled" error and the other tensors' sources are never released)."""
+    out = {}
+
+    def run(sim):
+        result, resident = sc.partial_cancel(sim)
+        out.update(resident)
+        return result
+
+    _assert_clean(run)
+    assert 0 < out["after_wait_offload"] <= out["limit"] < out["forward"], out
+
+
+def test_a_source_allocated_on_a_side_stream_is_protected(bucketing):
+    """A storage allocated and saved on a side stream and saved again on the default stream,
+    whose offload is waited on the default stream: its block goes back to the side stream's
+    pool, which never waited the D2H, so it is ``record_stream``-ed on the copy stream.
+
+    Caught mutation: ``any`` -> ``all`` in ``SwapTensor.wait_offload`` (one producer is the
+    waiter, so nothing protects the block: freed while the D2H on copy0 is not ordered before)."""
+    sim = _assert_clean(sc.allocated_on_a_side_stream)
+    assert sim.counts["record_stream"] > 0
+
+
+def test_a_backward_prefetches_only_the_forward_that_fed_it(bucketing):
+    """Two forwards of a chained net alive, then the second one's backward: each layer's backward
+    prefetches the predecessor's forward that fed it, so the first forward's offloaded layers
+    stay on the host (what is resident after that backward is the first forward's last layer,
+    which the chain never offloads).
+
+    Caught mutation: ``LayerChain.backward_start`` loading every forward of the predecessor
+    (``theirs = None``: the first forward's layers come back early)."""
+    out = {}
+
+    def run(sim):
+        result, resident = sc.two_forwards_then_the_second_backward(sim)
+        out.update(resident)
+        return result
+
+    result, violations, sim = sc.run_simulated(run)
+    assert not violations, violations[:2]
+    assert not isinstance(result, Exception), repr(result)
+    assert sc.equal_grads(result, sc.reference_two_forwards())
+    assert out["first_forward"] < out["both_forwards"]
+    assert 0 < out["second_backward"] == out["second_backward_last_layer"], out

@@ -4,7 +4,9 @@ model, measured with the live-storage meter (not the library's counters) and tra
 from __future__ import annotations
 
 import copy
+import dataclasses
 import doctest
+import inspect
 import itertools
 import json
 import random
@@ -17,6 +19,8 @@ from hyper_parallel.core.activation_checkpoint import (CheckpointPolicy, MemoryP
                                                        plan_memory)
 from hyper_parallel.planner import OpKey, OpTablePolicy, Planner, active_prober, format_bytes, parse_budget
 from hyper_parallel.planner import candidates as cand
+from hyper_parallel.planner.options import LayerOption
+from hyper_parallel.planner.plan import LayerChoice
 from hyper_parallel.planner import segments, solver
 from hyper_parallel.planner.cost import predict, segment_bytes
 from hyper_parallel.planner.profile import RELATIONS, Effect, LayerRecord, LayerType, OpRecord, Segment, StepProfile
@@ -43,7 +47,9 @@ def test_parse_budget_reads_units_and_refuses_nonsense():
 
 
 # ------------------------------------------------------------------------------ the solver
-def _synthetic(layers: int, options: int, rng: random.Random) -> solver.Problem:
+def _synthetic(layers: int, options: int, rng: random.Random, after: int = 0) -> solver.Problem:
+    """Random options of negative effects, except ``after`` (what a layer leaves once its backward
+    has run, e.g. a buffer it allocates there): up to ``after`` bytes more (0: none)."""
     segments = [Segment("pre", -1, 0, 100)]
     for j in range(layers):
         segments += [Segment("fwd", j, 0, 100 + 20 * j + rng.randint(0, 10)), Segment("gap", j, 0, 100 + 20 * (j + 1))]
@@ -51,7 +57,7 @@ def _synthetic(layers: int, options: int, rng: random.Random) -> solver.Problem:
     opts = [cand.ZERO]
     for _ in range(options - 1):
         effect = {r: -rng.randint(0, 20) for r in RELATIONS}
-        effect["after"] = 0
+        effect["after"] = rng.randint(0, after) if after else 0
         opts.append(Effect(effect, rng.random()))
     return solver.Problem(segments, [opts] * layers)
 
@@ -113,6 +119,27 @@ def test_with_micro_batches_in_flight_each_other_one_keeps_what_the_plan_leaves(
         if solver.have_scipy():
             milp = solver.solve_milp(problem, budget)
             assert peak(milp)[0] <= budget + 1e-6 and peak(milp)[1] == pytest.approx(best)
+
+
+def test_programme_counts_what_later_layers_leave_after_their_backward():
+    """Layers whose effect after their backward is not zero: a segment of layer ``j``'s backward
+    carries the ``after`` effects of every layer after ``j``, which the programme has placed
+    already; a choice it returns fits by the exact prediction, and the smallest peak it reports is
+    at least its choice's."""
+    rng = random.Random(3)
+    over = 0
+    for _ in range(25):
+        problem = _synthetic(4, 4, rng, after=40)
+        smallest, choice = solver.min_peak(problem)
+        assert _peak(problem, choice)[0] <= smallest + 1e-9
+        brute_min = min(_peak(problem, c)[0] for c in itertools.product(range(4), repeat=4))
+        for budget in (brute_min, brute_min + 20, brute_min + 60):
+            picked = solver.solve(problem, budget)
+            if picked is not None:
+                assert _peak(problem, picked)[0] <= budget, (budget, picked)
+                over += 1
+        assert solver.solve(problem, brute_min + 200) is not None
+    assert over >= 40  # (most of the 75 budgets got a plan: the check above ran)
 
 
 def test_programme_refuses_a_budget_below_every_choice():
@@ -281,6 +308,22 @@ def test_a_budget_below_the_minimum_says_what_it_would_take(setup):
     assert str(minimum) in text and format_bytes(minimum) in text and "parameters" in text
 
 
+def test_a_solver_answer_over_budget_is_never_returned(setup, monkeypatch):
+    """``Planner.plan`` checks the solver's choice against the exact prediction: a choice over
+    the budget (here the solver answers "wrap nothing" whatever the budget) gives way to the
+    minimum-peak plan where that fits, and to the no-plan-fits error where nothing does."""
+    reference = setup.planner.reference_peak()
+    monkeypatch.setattr(solver, "solve", lambda problem, budget, resolution=2048: [0] * problem.layers)
+    budget = (setup.minimum + reference) // 2
+    plan = setup.planner.plan(budget)
+    assert plan.predicted_peak_bytes <= budget
+    assert predict(setup.profile, setup.planner.assignment_effects([c.option for c in plan.choices])).peak_bytes \
+        == plan.predicted_peak_bytes
+    assert any(c.option.kind != "none" for c in plan.choices)
+    with pytest.raises(ValueError, match="no plan fits"):
+        setup.planner.plan(setup.minimum - (64 << 10))
+
+
 def test_the_tighter_the_budget_the_more_is_dropped_and_the_slower_the_prediction(setup):
     reference = setup.planner.reference_peak()
     plans = [setup.planner.plan(b) for b in (setup.minimum, (setup.minimum + reference) // 2, reference)]
@@ -342,6 +385,57 @@ def test_json_round_trip_and_report(setup):
     assert sum(1 for line in report.splitlines() if line.strip().split(" ")[0].isdigit()) == _CFG.layers
     with pytest.raises(ValueError, match="4 layers"):
         MemoryPlan.from_json(text, list(copy.deepcopy(setup.base).layers)[:3])
+
+
+_MM = OpKey("aten.mm.default", ((8, 16), (16, 32)))
+_GELU = OpKey("aten.gelu.default", ((8, 32),))
+#: one option of every kind, each field away from its default where the kind has it
+_EVERY_OPTION = [
+    LayerOption("none", label="none"),
+    LayerOption("swap"),
+    LayerOption("swap", swap_min_bytes=4096, label="swap >= 4 KiB"),
+    LayerOption("checkpoint", label="recompute"),
+    LayerOption("checkpoint", keep=((_MM, "save"), (_GELU, "swap")), label="keep mm, swap gelu"),
+    LayerOption("checkpoint", swap_inputs=True),
+    LayerOption("checkpoint", keep=((_GELU, "save"),), swap_inputs=True, label="keep gelu + inputs"),
+]
+
+
+def _fields(value):
+    """Every dataclass field of ``value`` by name, ``compare=False`` ones included."""
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+
+
+@pytest.mark.parametrize("option", _EVERY_OPTION, ids=lambda o: o.label or o.describe())
+def test_a_layer_option_survives_json_field_by_field(option):
+    """What every rank of a group applies is the plan made from its JSON: each field of every kind
+    of option comes back as it was (``==`` skips the label: compared field by field)."""
+    again = LayerOption.from_json(json.loads(json.dumps(option.to_json())))
+    assert _fields(again) == _fields(option)
+
+
+def test_a_memory_plan_survives_json_field_by_field():
+    """Every value a ``MemoryPlan`` is made with, each away from its default, comes back from
+    ``to_json`` / ``from_json``: the constructor's keywords, the layer choices field by field
+    (one option of every kind), the ops the profile saw and the stack's path."""
+    layers = [torch.nn.Linear(4, 4) for _ in _EVERY_OPTION]
+    choices = [LayerChoice(i, "Block", o, 100 + i, 200 + i, 300 + i, 0.001 * (i + 1)) for i, o in enumerate(_EVERY_OPTION)]
+    values = dict(budget_bytes=1 << 30, predicted_peak_bytes=(1 << 30) - 7, peak_at="bwd 3", predicted_step_s=0.125,
+                  lower_bound_step_s=0.0625, min_budget_bytes=123456789, reference_peak_bytes=(2 << 30) + 1,
+                  reference_step_s=0.1, device="cuda:0", notes=["a note", "another"], probes=17,
+                  reserved_bytes=4242, microbatches_in_flight=3, reference_forward_s=0.03125,
+                  modelled_peak_bytes=(1 << 30) - 9, peak_measured=True, input_shape=(4, 128, 64),
+                  baseline_bytes=654321)
+    keywords = [n for n, p in inspect.signature(MemoryPlan.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    assert sorted(keywords) == sorted(values)  # (a new keyword needs a value here)
+    plan = MemoryPlan(layers, choices, {"Block": [_MM, _GELU]}, active_prober(), **values)
+    plan.stack_path = "model.layers"
+    again = MemoryPlan.from_json(plan.to_json(), [torch.nn.Linear(4, 4) for _ in _EVERY_OPTION])
+    for name, value in values.items():
+        assert getattr(again, name) == value, name
+    assert [{**_fields(c), "option": _fields(c.option)} for c in again.choices] == \
+        [{**_fields(c), "option": _fields(c.option)} for c in plan.choices]
+    assert again.seen == plan.seen and again.stack_path == plan.stack_path
 
 
 def test_planning_leaves_the_model_as_it_found_it():

@@ -145,3 +145,34 @@ def test_microbatch_schedule_abort_mid_step_on_the_simulated_device():
         assert not [n for n in mgr.group_names() if n.startswith("t.")]
         got = _drive(GPIPE, 1)
     assert all(torch.equal(a, b) for a, b in zip(got, _drive(GPIPE, 1)))
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_microbatch_schedule_abort_leaves_no_copy_in_flight(where):
+    """``abort()`` waits what is in flight before it drops the groups: right after it no copy is
+    queued on any stream (the graphs of the aborted step are still alive, so nothing else would
+    wait them). ``forward``: aborted while micro-batch 1's offload is in flight (a forward
+    raised); ``backward``: while micro-batch 1's prefetch is in flight.
+
+    Caught mutation: the ``_wait_offload`` (forward) or ``_wait_load`` (backward) call of
+    ``MicrobatchSwapSchedule._finish`` deleted (the copies stay queued)."""
+    with simulated_device() as sim:
+        block = _block()
+        sched = MicrobatchSwapSchedule(SwapManager(), prefix="t.", prefetch=1)
+        xs = _inputs(3)
+        kept = []
+        for i in range(3 if where == "backward" else 2):
+            sched.forward_start(i)
+            kept.append(block(xs[i]).sum())
+            sched.forward_end(i)
+        if where == "forward":
+            sched.forward_start(2)
+            sched.forward_end(2, failed=True)
+            assert sched.state(1) == "offloading"
+        else:
+            sched.backward_start(0)
+            assert sched.state(1) == "loading"
+        assert sim.pending_copies() > 0
+        sched.abort()
+        assert sim.pending_copies() == 0
+        del kept

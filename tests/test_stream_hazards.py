@@ -278,3 +278,32 @@ def test_h8_backward_hooks_from_two_threads(sim):
     assert not errors, errors
     for net in nets:
         assert_tensors_equal(grads(net), sc.reference_grads(), "grads")
+
+
+def test_h7_a_buffer_that_fits_the_cap_to_the_byte_after_an_eviction_is_allocated():
+    """The host cap is inclusive: with a 1024-byte buffer in use and an idle 512-byte one, a
+    2048-byte offload under a 3072-byte cap evicts the idle buffer and then fits exactly, so it
+    goes to the host (``>`` -> ``>=`` in the second check of ``HostBufferPool.acquire`` keeps it
+    on the device, 'host_limit')."""
+    with simulated_device():
+        mgr = SwapManager()
+        mgr.set_host_memory_limit(3072)
+        g = torch.Generator().manual_seed(0)
+        held = {}
+        for name, numel in (("a", 256), ("b", 128), ("c", 512)):  # 1024, 512 and 2048 bytes
+            storage = mgr.new_storage(name)
+            value = torch.randn(numel, generator=g)
+            held[name] = (storage, add_swap(storage, value.clone()), value)
+            mgr.launch_offload(name)
+            mgr.wait_offload(name)
+            if name == "b":  # back on the device: its buffer idles in the pool
+                mgr.launch_load(name)
+                mgr.wait_load(name)
+        stats = mgr.stats()
+        assert stats["groups"]["c"]["offloaded_bytes"] == 2048 and not stats["kept_bytes"], stats["kept_bytes"]
+        assert stats["host_pool"]["reserved_bytes"] == 3072
+        for name in ("a", "c"):
+            mgr.launch_load(name)
+            mgr.wait_load(name)
+        for storage, view, value in held.values():
+            assert torch.equal(view.get_val(), value)

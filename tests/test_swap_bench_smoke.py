@@ -71,10 +71,11 @@ def _run_small(names, **kw):
                                 base_model=model, batches=lambda i: model.make_batch(2, i), **kw)
 
 
-def test_harness_counts_our_bytes_from_the_engine_statistics_and_buckets_cut_the_loads(fresh_manager):
+def test_harness_counts_our_bytes_from_the_engine_statistics(fresh_manager):
     """What ours move per step comes from SwapManager().stats(): every byte offloaded comes back
-    (swap_wrapper), in one load launch per storage on a CPU build, or per bucket of small storages
-    with buckets on; the gradients stay bitwise those of the plain model."""
+    (swap_wrapper), in one load launch per chained layer that was offloaded, buckets or not (a
+    bucket cuts the copies inside a launch: tests/test_swap_bucket.py); the gradients stay bitwise
+    those of the plain model."""
     plain = _run_small(["none", "ours_swap_wrapper", "copy_hooks"], metered=False).variants
     fresh_manager.set_bucket_bytes(1 << 20)
     bucketed = _run_small(["none", "ours_swap_wrapper"], metered=False).variants
@@ -83,7 +84,7 @@ def test_harness_counts_our_bytes_from_the_engine_statistics_and_buckets_cut_the
     assert peer.moved["d2h"] == peer.moved["h2d"] > ours.moved["d2h"]  # the hooks copy the parameters too
     assert peer.tensors_out > ours.load_launches > 0 and peer.load_launches is None
     assert bucketed["ours_swap_wrapper"].moved == ours.moved
-    assert 0 < bucketed["ours_swap_wrapper"].load_launches < ours.load_launches
+    assert bucketed["ours_swap_wrapper"].load_launches == ours.load_launches
     assert all(v.grads_equal_to_none for run in (plain, bucketed) for v in run.values())
 
 

@@ -534,61 +534,9 @@ def test_host_limit_with_changing_shapes_reuses_idle_budget(fresh_manager):
     assert kept6 == 0
 
 
-# ------------------------------------------------------------------------------ load on use
-def test_load_now_restores_layout_and_frees_the_host_buffer(fresh_manager):
-    """The layer chain's load on use (one storage when autograd unpacks it): host -> device with
-    the exact layout of every alias, the host buffer back in the pool, and the reloaded bytes in
-    memory of their own (the pool reuses the buffer at once)."""
-    mgr = fresh_manager
-    storage = mgr.new_storage("g")
-    base = _fresh(8)
-    source = base.clone()
-    whole = add_swap(storage, source)
-    part = add_swap(storage, source[2:, 1:].t())  # an alias with an offset and transposed strides
-    del source
-    st = whole._swap_tensor
-    assert part._swap_tensor is st
-    mgr.launch_offload("g")
-    mgr.wait_offload("g")
-    assert st.state is TensorState.HOST
-    host = st._host
-    mgr._group("g").load_now(st)
-    assert st.state is TensorState.DEVICE
-    assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
-    assert mgr.stats()["loaded_bytes"] == base.nbytes and mgr.stats()["load_launches"] == 1
-    got_whole, got_part = whole.get_val(), part.get_val()
-    expected_part = base[2:, 1:].t()
-    assert torch.equal(got_whole, base) and torch.equal(got_part, expected_part)
-    assert got_part.stride() == expected_part.stride()
-    assert got_part.storage_offset() == expected_part.storage_offset()
-    assert got_whole.untyped_storage().data_ptr() == got_part.untyped_storage().data_ptr()
-    host.fill_(0)  # the pool may hand the buffer to the next offload: the reloaded bytes are a copy
-    assert torch.equal(whole.get_val(), base)
-
-
-def test_load_now_loads_only_a_tensor_on_the_host_and_a_bucket_whole(fresh_manager):
-    mgr = fresh_manager
-    storage = mgr.new_storage("g")
-    view = add_swap(storage, _fresh() * 1)
-    st = view._swap_tensor
-    mgr._group("g").load_now(st)  # on the device: nothing to do
-    assert st.state is TensorState.DEVICE and mgr.stats()["load_launches"] == 0
-    mgr.set_bucket_bytes(1 << 20)
-    storage = mgr.new_storage("b")
-    views = [add_swap(storage, _fresh(4, seed=i) * 1) for i in range(3)]
-    mgr.launch_offload("b")
-    mgr.wait_offload("b")
-    member = views[0]._swap_tensor
-    assert member.bucket is not None and member.state is TensorState.HOST
-    mgr._group("b").load_now(member)  # its siblings share its copy: they come back with it
-    assert all(v._swap_tensor.state is TensorState.DEVICE for v in views)
-    assert all(torch.equal(v.get_val(), _fresh(4, seed=i)) for i, v in enumerate(views))
-    assert mgr.stats()["host_pool"]["in_use_bytes"] == 0
-
-
 def test_copy_stream_lookup_is_cached_even_without_streams(fresh_manager, monkeypatch):
     """A backend without streams answers ``None`` for a copy stream: that answer is remembered
-    too, not asked again for every load on use."""
+    too, not asked again for every launch."""
     mgr = fresh_manager
     calls = []
     real = type(mgr.backend).new_copy_stream

@@ -14,7 +14,7 @@ from hyper_parallel.core.backend import active_backend
 from hyper_parallel.core.activation_checkpoint import SwapManager, swap_wrapper
 from hyper_parallel.tools.memory import MemoryMeter
 
-from support.swap_models import (ManagerSpy, ToyNet, assert_tensors_equal, chain, follows_memory, grads, group,
+from support.swap_models import (ManagerSpy, ToyNet, assert_tensors_equal, chain, grads, group,
                          live_tensor_count, make_input)
 
 # Every test also runs on the simulated asynchronous device, stream-ordering checker on ([sim]).
@@ -75,13 +75,10 @@ class _Meter:
 
 def _launches_per_forward(net) -> int:
     """Offload launches of the layer chain in one forward: every layer but the last launches its
-    own group (the last one too where copies are synchronous and offloads are waited at once:
-    the CPU default), and every layer but the first and the last relaunches its predecessor for
-    the input the caller still held at the first launch."""
+    own group, and every layer but the first and the last relaunches its predecessor for the input
+    the caller still held at the first launch."""
     n = len(net.layers)
-    mgr = SwapManager()
-    last = 1 if (not mgr.copies_overlap() and mgr.prefetch_budget() == 0) else 0
-    return (n - 1) + last + (n - 2)
+    return (n - 1) + (n - 2)
 
 
 # ------------------------------------------------------------------------------ scenarios
@@ -159,8 +156,7 @@ def test_exception_mid_forward_in_a_chained_layer():
     after = SwapManager().stats()
     moved = after["offloaded_bytes"] - before["offloaded_bytes"]
     assert moved > 0 and after["loaded_bytes"] - before["loaded_bytes"] == moved, "the whole schedule ran"
-    if not follows_memory():  # (synchronous copies: loads happen on use)
-        assert spy.calls[-1] == ("wait_load", "layer_0")
+    assert spy.calls[-1] == ("wait_load", "layer_0")
 
 
 def test_gradient_accumulation_two_forwards_one_backward():

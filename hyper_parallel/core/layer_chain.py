@@ -7,20 +7,15 @@ held them (typically the layer's input, still bound to the caller's loop variabl
 again at that point (unless this is the last layer) and waited one layer later. The copy of layer ``i`` therefore overlaps the compute of layer
 ``i + 1``, and by the time the last layer is done only it and its predecessor's in-flight copy
 remain (waiting in the last layer too frees one more layer before the loss and the head run). Backward: when a layer's backward starts,
-the predecessor's load is launched (overlapping this layer's backward) and this layer's own load,
-launched one layer earlier, is waited. The last layer is never offloaded; the first never
-prefetches. Module hooks (installed through the backend) drive the three entry points below; they
-do nothing while a checkpointed region is being recomputed.
+the predecessor's load is launched (overlapping this layer's backward; at most
+``SwapManager().prefetch_budget()`` bytes of it) and this layer's own load, launched one layer
+earlier, is waited. The last layer is never offloaded; the first never prefetches. Module hooks
+(installed through the backend) drive the three entry points below; they do nothing while a
+checkpointed region is being recomputed.
 
-Where copies are synchronous (no copy stream: a CPU build) and the prefetch budget is the default
-``0``, nothing is gained by overlapping, so the schedule follows memory instead, as
-``save_on_cpu`` does: a forward marks its layer's group ``follows_memory``, so during the forward,
-each time ``storage.EARLY_OFFLOAD_CHUNK`` more bytes were saved (and between the ops of a selective
-region: ``Storage.offload_dropped``), the saved tensors that the forward has already dropped are
-offloaded and waited at once; at the layer's end the rest is offloaded and waited (the last
-layer's too), and so is the retry of the predecessor's skipped input; in backward no load is
-launched: each offloaded tensor is loaded when autograd unpacks it (``SwapGroup.load_now``) and
-freed once its node has run. The launches, waits and states are the same everywhere.
+This timetable is the same on every device: without streams (a CPU build) the copies are done
+when the launches return and the waits order nothing, but the states, launches and waits, and so
+what is on the device when, are the accelerator's.
 
 The chain reaches its manager only through :class:`ChainManager`.
 """
@@ -47,7 +42,6 @@ class ChainManager(Protocol):
     def chain_group(self, group_name: str) -> Any: ...
     def switch_group(self, group_name: Optional[str]) -> Optional[str]: ...
     def retry_offload(self, group_name: str) -> None: ...
-    def copies_overlap(self) -> bool: ...
     def prefetch_budget(self) -> Optional[int]: ...
     def launch_offload(self, group_name: str) -> None: ...
     def wait_offload(self, group_name: str) -> None: ...
@@ -60,15 +54,13 @@ class _Forward:
     forward that fed it. Its backward loads exactly these (several forwards of a layer may wait for
     their backward: gradient accumulation, micro-batches) and prefetches the predecessor's."""
 
-    __slots__ = ("_refs", "prev", "at_once", "__weakref__")
+    __slots__ = ("_refs", "prev", "__weakref__")
 
-    def __init__(self, prev: Optional["_Forward"], at_once: bool) -> None:
+    def __init__(self, prev: Optional["_Forward"]) -> None:
         # Weak references in the order the storages were made (a loaded forward goes back in
         # backward-use order, the reverse); a plain list is cheaper to make than a WeakSet.
         self._refs: List[weakref.ref] = []
         self.prev = weakref.ref(prev) if prev is not None else None
-        #: ``LayerChain.follows_memory()`` when the forward started (asked once per call)
-        self.at_once = at_once
 
     def add(self, storage: Any) -> None:
         """A storage made while this forward runs (``SwapManager.new_storage``)."""
@@ -176,11 +168,6 @@ class LayerChain:
         chained forward running now, if any."""
         if self._running:
             self._running[-1].add(storage)
-
-    def follows_memory(self) -> bool:
-        """Whether a forward starting now follows memory (see the module docstring): copies are
-        synchronous and the prefetch budget loads on demand."""
-        return not self._m.copies_overlap() and self._m.prefetch_budget() == 0
 
     def group_name(self, layer: Any) -> Optional[str]:
         link = self._links.get(layer)
@@ -298,14 +285,9 @@ class LayerChain:
                 "itself (a copy.copy of a chained layer shares its hooks). Use copy.deepcopy (the copy gets "
                 "its own chain), or chain the copied layers with wrap_layers / set_forward_prefetch_layer.")
         link.saved_group_names.append(self._m.switch_group(link.name))
-        # Where copies are synchronous, what the layer saved and the forward has dropped goes to
-        # the host as the layer runs (looked for once per storage.EARLY_OFFLOAD_CHUNK saved bytes,
-        # so that layers of small tensors pay nothing), which bounds the forward like save_on_cpu.
-        at_once = self.follows_memory()
-        link.group.follows_memory = at_once
         prev = self._alive(link.prev)
         fed_by = self._links[prev].last_forward if prev is not None and prev in self._links else None
-        record = _Forward(fed_by, at_once)
+        record = _Forward(fed_by)
         link.forwards.append(record)
         self._running.append(record)
 
@@ -321,14 +303,7 @@ class LayerChain:
             return False
         link.last_forward = record
         has_next = link.next is not None and link.next() is not None
-        if record.at_once:
-            # Copies are synchronous (no copy stream): waiting now loses no overlap and frees this
-            # layer's device memory one layer earlier; for the same reason the last layer is
-            # offloaded too (its backward loads each tensor when used), so the head's forward and
-            # backward do not run next to it.
-            self._m.launch_offload(link.name)
-            self._m.wait_offload(link.name)
-        elif has_next:
+        if has_next:
             self._m.launch_offload(link.name)
         prev = link.prev() if link.prev is not None else None
         if prev is not None:
@@ -339,12 +314,9 @@ class LayerChain:
             # When the predecessor's offload was launched, the caller still held its input (the
             # `h` of `for layer in layers: h = layer(h)`), so that storage was skipped. The caller
             # has moved on by now: offload it too; it is waited when the next layer ends (so not
-            # after the last layer, where nothing would wait for it before backward), or at once
-            # where copies are synchronous.
+            # after the last layer, where nothing would wait for it before backward).
             if has_next and prev_group.has_retryable():
                 self._m.retry_offload(prev_group.name)
-                if record.at_once:
-                    self._m.wait_offload(prev_group.name)
             before = prev_link.prev() if prev_link.prev is not None else None
             if before is not None:
                 before_group = self._links[before].group
@@ -361,10 +333,9 @@ class LayerChain:
         if link is None:  # the chain was reset while a graph was alive
             return
         own = link.group
-        if not own.follows_memory:  # (else each tensor is loaded when backward uses it)
-            mine = forward.live() if forward is not None else None
-            if own.pending_load_bytes(mine):
-                self._m.launch_load(link.name, storages=mine)
+        mine = forward.live() if forward is not None else None
+        if own.pending_load_bytes(mine):
+            self._m.launch_load(link.name, storages=mine)
         prev = self._alive(link.prev)
         fed_by = forward.prev() if forward is not None and forward.prev is not None else None
         if prev is not None and (forward is None or fed_by is not None):

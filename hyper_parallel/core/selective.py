@@ -177,10 +177,6 @@ class SelectiveRegion:
         """Run one op of the region's forward and keep its output if the policy says so."""
         if self.suspended:
             return _run(func, args, kwargs)  # an excluded sub-module: recomputation skips it whole
-        if self._swap_storage is not None:
-            # Swapped outputs the forward dropped since the last op can leave now (early offload,
-            # where copies are synchronous), not only at the next swapped op or the layer's end.
-            self._swap_storage.offload_dropped()
         # The op's kind, remembered per op object (by identity: an op's own hash can be a Python
         # function, e.g. PyTorch's OpOverload's); _kind asks the backend the first time.
         seen = self._kinds.get(id(func))

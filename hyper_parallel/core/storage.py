@@ -9,11 +9,7 @@ from .keep_reason import KeepReason
 from .saved import Saved
 from .swap_tensor import SwapTensor, SwapView
 
-__all__ = ["Storage", "EARLY_OFFLOAD_CHUNK"]
-
-#: Where a group follows memory (``SwapGroup.follows_memory``), a storage offloads what the forward
-#: has dropped each time this many more bytes were saved into it (or are still held by the forward).
-EARLY_OFFLOAD_CHUNK = 1 << 20
+__all__ = ["Storage"]
 
 
 class Storage:
@@ -42,8 +38,6 @@ class Storage:
         self.save_bytes = 0
         #: ``[bytes of its swap candidates]``: outlives the storage (its finalizer reads it)
         self.candidate_tally = [0]
-        self._unscanned_bytes = 0  # saved since the last look for dropped tensors
-        self._held_bytes = 0       # still held by the forward at the last look
 
     def add(self, facts: SavedFacts, reason: Optional[KeepReason] = None,
             check: bool = True) -> Union[SwapView, Saved]:
@@ -63,35 +57,7 @@ class Storage:
         self.candidate_tally[0] += st.nbytes
         self._on_device[facts.key] = st
         self.swap_tensors.append(st)
-        view = SwapView(st, 0, self)
-        if self.group.follows_memory:
-            self._unscanned_bytes += st.nbytes
-            if self._unscanned_bytes >= EARLY_OFFLOAD_CHUNK:
-                self._unscanned_bytes = 0  # held tensors are looked at again one chunk later
-                self.group.offload_dropped(self)
-        return view
-
-    def dropped(self) -> List[SwapTensor]:
-        """The swap candidates that only the swap system still holds (the forward dropped them):
-        offloading them now frees their memory. Notes the bytes the forward still holds."""
-        out: List[SwapTensor] = []
-        held = 0
-        for t in self.swap_tensors:
-            if t.unmoved:
-                if t.held_elsewhere():
-                    held += t.nbytes
-                else:
-                    out.append(t)
-        self._held_bytes = held
-        return out
-
-    def offload_dropped(self) -> None:
-        """Called by a selective region between two ops of its forward (outputs the forward has
-        just let go of are dropped there): where the group follows memory and at least
-        :data:`EARLY_OFFLOAD_CHUNK` bytes were saved or are still held, offload what was dropped."""
-        if self.group.follows_memory and self._held_bytes + self._unscanned_bytes >= EARLY_OFFLOAD_CHUNK:
-            self._unscanned_bytes = 0
-            self.group.offload_dropped(self)
+        return SwapView(st, 0, self)
 
     def __repr__(self) -> str:
         return f"Storage(group={self.group.name!r}, swap={len(self.swap_tensors)}, save_bytes={self.save_bytes})"

@@ -107,14 +107,10 @@ class SwapGroup:
     """
 
     def __init__(self, name: str, backend: Backend, stats: GroupStats, pool: Any,
-                 copy_streams: Callable[[Any], Any], lock: Any, persistent: bool = False) -> None:
+                 copy_streams: Callable[[Any], Any], persistent: bool = False) -> None:
         self.name = name
         #: ``copy_streams(device)``: the manager's copy stream of a device, what launches use by default
         self._copy_streams = copy_streams
-        #: the manager's lock (re-entrant): :meth:`load_now` runs from autograd, outside the manager
-        self._lock = lock
-        #: set once the manager has forgotten this group (its tensors are not loaded on use any more)
-        self.retired = False
         #: the backend the group's storages and tensors use
         self.backend = backend
         self.stats = stats
@@ -135,13 +131,8 @@ class SwapGroup:
         # these instead of walking every storage of the group.
         self._d2h = _InFlight()
         self._h2d = _InFlight()
-        self._on_use = _InFlight()  # the load of one tensor on use (launched and waited at once, under the lock)
         self._skipped_shared: List[SwapTensor] = []
         self.offload_cancelled = False  # launch_load cancelled an offload in flight (for wait_offload's message)
-        #: The schedule flag of the layer chain where copies are synchronous (set per forward):
-        #: its storages offload what the forward dropped as it runs (``Storage.add``) and its
-        #: tensors load when autograd uses them (``SwapTensor.get_val`` -> :meth:`load_now`).
-        self.follows_memory = False
 
     @property
     def offload_pending(self) -> bool:
@@ -278,17 +269,6 @@ class SwapGroup:
         are worth one more try (``SwapTensor.retryable``: a layer input, free once the caller
         moved on), each by itself: a second look at only these, not a walk of the whole group."""
         self.launch_offload(runs=[[t] for t in self._skipped_shared if t.retryable])
-
-    def offload_dropped(self, storage: Any) -> None:
-        """Offload the tensors of ``storage`` that only the swap system still holds (the forward
-        dropped them: ``Storage.dropped``) and wait at once, under the manager's lock: the early
-        offload of a group that follows memory, during the forward that saves them. Nothing while
-        an offload of the group is in flight, or once the manager has forgotten the group."""
-        with self._lock:
-            dead = storage.dropped() if not (self.retired or self.offload_pending) else None
-            if dead:
-                self.launch_offload(runs=[dead])
-                self.wait_offload()
 
     def _cleared(self, t: SwapTensor, skipped: List[SwapTensor]) -> bool:
         """Whether ``t`` can be offloaded now (``SwapTensor.offload_reason``). If not, the bytes it
@@ -432,25 +412,6 @@ class SwapGroup:
     def _in_backward_order(self, storages: Optional[Sequence[Any]], *states: TensorState) -> List[SwapTensor]:
         chosen = self.storages() if storages is None else [s for s in storages if s is not None]
         return [t for s in reversed(chosen) for t in reversed(s.swap_tensors) if t.state in states]
-
-    def load_now(self, t: SwapTensor) -> None:
-        """Load the offloaded tensor ``t`` now (with the siblings of its bucket, which share its
-        copy) and wait: what a tensor of a group that ``follows_memory`` asks when autograd unpacks
-        it (the layer chain's load on use where copies are synchronous). The transitions of
-        ``launch_load`` + ``wait_load`` for these tensors only, under the manager's lock; nothing
-        once the manager has forgotten this group (``retired``: the tensor then says which group
-        to load)."""
-        with self._lock:
-            if self.retired or t.state is not TensorState.HOST:
-                return
-            flight = self._on_use
-            with self.backend.trace_range(self._ranges["launch_load"]):
-                try:
-                    self._load([t], self._copy_streams, flight)
-                finally:
-                    self.stats.load_launches += 1
-            self.stats.wait_load_s += self._wait(flight, "wait_load", self._order_use_after_h2d, TensorState.H2D,
-                                                 SwapTensor.wait_load)
 
     @staticmethod
     def _with_siblings(tensors: List[SwapTensor]) -> Dict[Any, List[SwapTensor]]:

@@ -18,7 +18,6 @@ from .swap_group import GroupStats, SwapGroup
 __all__ = ["SwapManager", "DEFAULT_GROUP"]
 
 DEFAULT_GROUP = "default"
-_AUTO = object()  # prefetch budget not set: chosen by the device (see set_prefetch_budget)
 _RETIRED_NAMES = 1024  # how many names of forgotten groups are remembered
 _RETIRED_STATS = 64    # how many forgotten groups keep their own entry in stats()["groups"]
 
@@ -65,7 +64,7 @@ class SwapManager:
 
     Thread safety: module and autograd hooks may call in from several threads (autograd runs one
     thread per device); every public method holds the manager's re-entrant lock, and so do the
-    layer chain's hooks and the loads on use. Finalizers (a region's graph dying, in any thread)
+    layer chain's hooks. Finalizers (a region's graph dying, in any thread)
     never wait for it: what they would do is deferred to the next public call that takes it
     (``new_storage``, run by every region, for instance).
 
@@ -112,10 +111,6 @@ class SwapManager:
         # The backend is read again at each reset: a test or tool may have switched it
         # (core.backend.use_backend).
         self.backend: Backend = active_backend()
-        # copies_overlap(), asked once (per layer it would cost calls), on first use: asking the
-        # backend for a stream starts an accelerator's runtime, which the manager's creation must not
-        # (a process sets its device, or forks, after wrapping its model).
-        self._overlap: Optional[bool] = None
         self._groups: Dict[str, SwapGroup] = {}
         self._retired: "OrderedDict[str, None]" = OrderedDict()
         self._stats: Dict[str, GroupStats] = {}
@@ -126,7 +121,7 @@ class SwapManager:
         self._recent_retired: "OrderedDict[str, None]" = OrderedDict()
         self._current_group_name: Optional[str] = None
         self._copy_streams: Dict[Any, Any] = {}  # device -> the manager's copy stream there
-        self._prefetch_budget: Any = _AUTO
+        self._prefetch_budget: Optional[int] = None
         self._bucket_bytes = 0  # bucketed copies are opt-in (see set_bucket_bytes)
         self._pool = HostBufferPool(self.backend)  # (a new pool: the host limit goes back to "none" too)
         self._warned_unscheduled = False
@@ -143,7 +138,7 @@ class SwapManager:
             self._recent_retired.pop(name, None)
             stats = self._stats.setdefault(name, GroupStats())
             group = self._groups[name] = SwapGroup(name, self.backend, stats, self._pool, self._copy_stream_for,
-                                                    self.lock, persistent)
+                                                    persistent)
             group.bucket_bytes = self._bucket_bytes
         elif persistent:
             group.persistent = True
@@ -228,10 +223,9 @@ class SwapManager:
                 self._retired.popitem(last=False)
 
     def _retire(self, name: str) -> None:
-        """Forget group ``name`` (its tensors load on use no more: ``SwapGroup.retired``). It keeps
-        its own statistics entry for a while (the last ``_RETIRED_STATS`` forgotten groups); older
-        ones are folded into ``retired_groups``."""
-        self._groups.pop(name).retired = True
+        """Forget group ``name``. It keeps its own statistics entry for a while (the last
+        ``_RETIRED_STATS`` forgotten groups); older ones are folded into ``retired_groups``."""
+        del self._groups[name]
         self._recent_retired[name] = None
         self._recent_retired.move_to_end(name)
         while len(self._recent_retired) > _RETIRED_STATS:
@@ -342,32 +336,21 @@ class SwapManager:
         """Make compute wait for the group's load; its tensors are usable afterwards."""
         self._on_live_group(group_name, SwapGroup.wait_load, wait=True)
 
-    def copies_overlap(self) -> bool:
-        """Whether copies run on a copy stream, overlapping compute (an accelerator); on a CPU
-        build they are synchronous. (A property of the backend: asked once, on first use.)"""
-        if self._overlap is None:
-            self._overlap = self.backend.current_stream() is not None
-        return self._overlap
-
     def set_prefetch_budget(self, nbytes: Optional[int]) -> None:
         """How many bytes of the previous layer's swapped tensors the layer chain prefetches while
         a layer runs its backward (the tensors backward needs first go first; the rest are loaded
         when that layer's backward starts). In backward the device then holds the running layer's
         swapped tensors plus at most this budget.
 
-        ``None``: no limit, the RFC's schedule (the whole previous layer is prefetched, and in forward
-        each layer's offload is waited when the next layer ends). ``0``: load on demand.
-
-        The default (until this is called, and after :meth:`reset`) depends on the device: the
-        RFC's schedule where copies overlap compute (a copy stream), and ``0`` where they cannot
-        (CPU: copies are synchronous, so the chain follows memory as ``save_on_cpu`` does: a
-        layer's dropped saved tensors are offloaded while it runs, the rest when it ends, and
-        backward loads each tensor when autograd uses it; see ``core/layer_chain.py``).
+        ``None`` (the default, until this is called and after :meth:`reset`): no limit, the RFC's
+        schedule (the whole previous layer is prefetched). ``0``: nothing ahead, each layer is
+        loaded when its own backward starts. The schedule is the same on every device; without a
+        copy stream (CPU) each copy is done when it returns.
 
         Example::
 
             >>> SwapManager().set_prefetch_budget(256 << 20)   # at most 256 MiB ahead
-            >>> SwapManager().set_prefetch_budget(None)        # the RFC's schedule, on any device
+            >>> SwapManager().set_prefetch_budget(None)        # back to the default: no limit
         """
         if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
             raise TypeError(f"set_prefetch_budget expects a number of bytes (int >= 0) or None, got {nbytes!r}")
@@ -375,9 +358,7 @@ class SwapManager:
 
     def prefetch_budget(self) -> Optional[int]:
         """The budget in force (see :meth:`set_prefetch_budget`): ``None`` means no limit."""
-        if self._prefetch_budget is not _AUTO:
-            return self._prefetch_budget
-        return None if self.copies_overlap() else 0
+        return self._prefetch_budget
 
     def set_bucket_bytes(self, nbytes: int) -> None:
         """Move small saved tensors in buckets of at most ``nbytes`` (``0``, the default: every
@@ -385,7 +366,8 @@ class SwapManager:
         one region's forward saved into shared host buffers of at most ``nbytes``, and a load
         brings each such buffer back with one copy into one device block: one copy launch and one
         allocation per bucket instead of one per tensor (``core/swap_bucket.py``). Loading any
-        tensor of a bucket loads the whole bucket, so a load on use brings up to ``nbytes`` at once.
+        tensor of a bucket loads the whole bucket, so a load limited to fewer bytes
+        (``limit_bytes``, the prefetch budget) takes a bucket whole or not at all.
 
         Each reloaded tensor keeps its exact layout (shape, stride, storage offset, dtype) over a
         storage of its own that is a slot of the bucket's block. The one difference a program can
@@ -534,6 +516,4 @@ class SwapManager:
             for group in list(self._groups.values()):
                 group.settle()
             self._chain.clear()
-            for group in self._groups.values():
-                group.retired = True
             self._start()

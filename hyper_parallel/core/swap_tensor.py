@@ -48,9 +48,8 @@ class SwapTensor:
     aliases), its host copy, and the state machine between them (see the module docstring).
 
     ``group`` is the ``SwapGroup`` of the region's ``Storage`` (its backend and host pool; its
-    name in error messages; whether it loads this storage when autograd asks for it while on the
-    host, ``follows_memory``); ``facts`` describe the first saved tensor (``Backend.saved_facts``
-    of a swap candidate).
+    name in error messages); ``facts`` describe the first saved tensor (``Backend.saved_facts`` of
+    a swap candidate).
     """
 
     # One is made per saved storage: slots keep the constructor and attribute reads cheap.
@@ -174,14 +173,6 @@ class SwapTensor:
             # The copy only reads the source, which stays intact until wait_offload.
             return self._b.rebuild_view(self._src, self._metas[index])
         if state is TensorState.HOST:
-            group = self.group
-            if group.follows_memory:
-                # Nothing schedules its load (the layer chain where copies are synchronous): load
-                # it now, as save_on_cpu's unpack does, so that backward holds only the reloaded
-                # tensors in use, not a whole layer.
-                group.load_now(self)
-                if self.state is TensorState.DEVICE:
-                    return self._b.rebuild_view(self._dev, self._metas[index])
             raise RuntimeError(
                 f"a saved tensor of swap group '{self.group.name}' is on the host (state 'host'): it was "
                 "offloaded and never loaded back. Call SwapManager().launch_load"

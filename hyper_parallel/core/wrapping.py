@@ -202,7 +202,7 @@ def _original_class(module: Any) -> type:
     return cls
 
 
-def _refuse_second_wrapper(b: Backend, module: Any, kind: str) -> None:
+def _refuse_second_wrapper(module: Any, kind: str) -> None:
     """A clear ``ValueError`` if ``module`` already has a wrapper (or cannot take ``kind`` now)."""
     family = _family_of(type(module))
     present = wrapper_of(module)
@@ -231,7 +231,7 @@ _KIND_OF = {name: kind for kind, name in _NAMES.items()}
 
 
 def _wrap_module(b: Backend, module: Any, kind: str, attrs: Dict[str, Any]) -> Any:
-    _refuse_second_wrapper(b, module, kind)
+    _refuse_second_wrapper(module, kind)
     module.__class__ = _wrapped_class(kind, type(module), b.module_method)
     for name, value in attrs.items():
         object.__setattr__(module, name, value)  # plain attributes, not parameters or sub-modules
@@ -526,7 +526,7 @@ def wrap_layers(layers: Any, *, policy_fn: Any = None, swap: bool = False, swap_
         check_op_policy_signature(policy_fn, "wrap_layers")
     kind = _SWAP if swap else _CHECKPOINT
     for layer in items:  # before wrapping any: a refused layer leaves the whole stack as it was
-        _refuse_second_wrapper(b, layer, kind)
+        _refuse_second_wrapper(layer, kind)
     for layer in items:
         if swap:
             swap_wrapper(layer, policy_fn=tensor_policy)

@@ -283,7 +283,7 @@ class Planner:
             chosen = min_plan  # (the programme rounds bytes up: at the very edge only the minimum fits)
         if chosen is not None:
             chosen = self._polish(chosen, room)
-        return chosen
+        return self._fitting(chosen, room, min_plan, minimum)
 
     def _no_plan(self, budget_bytes: int, reserved: int,
                  measure: Optional[Callable[[List[LayerOption]], Optional[int]]]) -> ValueError:
@@ -302,6 +302,17 @@ class Planner:
             f"smallest peak any plan reaches is {format_bytes(least)} ({least} bytes){how}, during {where}: "
             f"{detail}. Raise the budget to at least that, or shrink what every plan pays (batch size, "
             "sequence length, parameters and their gradients, the loss head).")
+
+    def _fitting(self, chosen: Optional[List[LayerOption]], room: int, min_plan: List[LayerOption],
+                 minimum: int) -> Optional[List[LayerOption]]:
+        """``chosen`` if its exact prediction fits ``room``; else the minimum-peak plan
+        ``min_plan`` (peak ``minimum``) if that fits; else ``None``. The solver bounds some terms
+        (what later layers leave after their backward) and rounds bytes: the exact prediction,
+        the one a plan reports, decides."""
+        if chosen is not None:
+            if predict(self.profile, self.assignment_effects(chosen), self.in_flight).peak_bytes <= room:
+                return chosen
+        return min_plan if 0 < minimum <= room else None
 
     def reference_peak(self) -> int:
         """The step's predicted peak with every layer left as it is (each other micro-batch in

@@ -3,6 +3,7 @@
     python -m hyper_parallel.testing.mutations              # every mutant, two at a time
     python -m hyper_parallel.testing.mutations --list       # the sites and their mutants only
     python -m hyper_parallel.testing.mutations --only swap_tensor.py --tests tests/test_ordering_points.py
+    python -m hyper_parallel.testing.mutations --kind move --kind flip     # some kinds only
 
 It finds every ordering call site of ``hyper_parallel/core`` and ``hyper_parallel/backends`` by
 pattern (in the syntax tree, not from a list of lines), makes each mutant in a scratch copy of the
@@ -26,6 +27,22 @@ Sites and their mutants:
 * a store of a stream, event or guard outside ``__init__``: an attribute assignment loses that
   target (the old value stays), an ``append`` to such a list is deleted, and a local named
   ``...stream`` whose value is not one of the calls above becomes ``None``.
+
+In a function holding one of those sites (where a slip changes the ordering):
+
+* "wrong stream": an argument of a primitive, ordering point or host-buffer call that names a
+  stream (``copy_stream``, ``waiter``, ``compute``, ``self._copy_stream``...) becomes another
+  stream the function has at that point (a parameter or a local assigned before the call);
+* "swap args": such a call whose first two arguments both name streams gets them swapped;
+* "move": a primitive or ordering-point statement (``event = ...record_event(...)`` too) trades
+  places with the statement before or after it (the event recorded, or the wait issued, before
+  or after the copies), where neither reads what the other assigns;
+* "flip": ``any`` <-> ``all``, ``max`` <-> ``min``, and an off-by-one in a comparison
+  (``<`` <-> ``<=``, ``>`` <-> ``>=``).
+
+Each run imports the mutated source itself: the copies carry no ``__pycache__`` and every
+process runs with ``PYTHONDONTWRITEBYTECODE=1`` (a mutant that keeps its file's size, restored
+within the same second, would otherwise leave a valid-looking stale ``.pyc`` behind).
 """
 
 from __future__ import annotations
@@ -60,8 +77,14 @@ _CONTEXTS = {"stream_context", "stream", "StreamCtx"}  # context managers: a Non
 _CHOICES = {"current_stream", "new_copy_stream", "Stream"}
 _NAMES_A_STREAM = re.compile(r"stream|event|guard|waiter|compute", re.IGNORECASE)
 _STORES = re.compile(r"stream|event|guard|producers|ready", re.IGNORECASE)
+_NAMES_A_STREAM_ONLY = re.compile(r"stream|waiter|compute", re.IGNORECASE)  # (not its events or guards)
+_FLIPS = {"any": "all", "all": "any", "max": "min", "min": "max"}
+_OFF_BY_ONE = {ast.Lt: "<=", ast.LtE: "<", ast.Gt: ">=", ast.GtE: ">"}
+_BOOKKEEPING = {"append", "extend"}  # calls that only grow a list of the engine's: no device work
 _NOOP = "(lambda *args: None)"
-_SKIP = shutil.ignore_patterns(".git", ".venv*", "results", "__pycache__", ".pytest_cache", "*.egg-info")
+_SKIP = shutil.ignore_patterns(".git", ".venv*", "results", "__pycache__", "*.pyc", ".pytest_cache", "*.egg-info")
+#: No process of a run writes bytecode (and the copies carry none): each imports the source it is given.
+_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 
 
 @dataclass(frozen=True)
@@ -72,7 +95,7 @@ class Mutant:
     path: str
     line: int
     where: str       # the enclosing Class.function
-    kind: str        # "delete", "None", "no-op", "drop target"
+    kind: str        # "delete", "None", "no-op", "drop target", "wrong stream", "swap args", "move", "flip"
     site: Tuple[str, int]  # the call, reference or store it changes (path, byte offset)
     start: int
     end: int
@@ -132,19 +155,24 @@ class _Finder(ast.NodeVisitor):
         self.scope: List[str] = []
         self.parents: Dict[ast.AST, ast.AST] = {}
         self.mutants: List[Mutant] = []
+        # Mutants of the kinds that apply only in functions holding an ordering site
+        self.extras: List[Mutant] = []
+        self.streams: List[List[Tuple[str, int]]] = []  # per function: (stream name, line it is bound from)
 
     def _span(self, node: ast.AST) -> Tuple[int, int]:
         # (ast offsets are in UTF-8 bytes)
         return (self.line_starts[node.lineno - 1] + node.col_offset,
                 self.line_starts[node.end_lineno - 1] + node.end_col_offset)
 
-    def _add(self, site: ast.AST, kind: str, replacement: str, node: Optional[ast.AST] = None) -> None:
-        """A mutant of ``site``: the source of ``node`` (default: the site itself) replaced."""
+    def _add(self, site: ast.AST, kind: str, replacement: str, node: Optional[ast.AST] = None,
+             extra: bool = False, span: Optional[Tuple[int, int]] = None) -> None:
+        """A mutant of ``site``: the source of ``node`` (default: the site itself; or the bytes
+        ``span``) replaced. ``extra``: kept only if its function holds an ordering site."""
         node = site if node is None else node
-        start, end = self._span(node)
-        self.mutants.append(Mutant(self.path, node.lineno, ".".join(self.scope) or "<module>", kind,
-                                   (self.path, self._span(site)[0]), start, end, self.source[start:end].decode(),
-                                   replacement))
+        start, end = self._span(node) if span is None else span
+        (self.extras if extra else self.mutants).append(
+            Mutant(self.path, node.lineno, ".".join(self.scope) or "<module>", kind, (self.path, self._span(site)[0]),
+                   start, end, self.source[start:end].decode(), replacement))
 
     def run(self) -> List[Mutant]:
         tree = ast.parse(self.source)
@@ -152,14 +180,34 @@ class _Finder(ast.NodeVisitor):
             for child in ast.iter_child_nodes(node):
                 self.parents[child] = node
         self.visit(tree)
-        return self.mutants
+        ordering = {m.where for m in self.mutants}
+        out, seen = list(self.mutants), set()
+        for m in self.extras:  # (an `if` of two ordering calls is one move)
+            if m.where in ordering and (m.start, m.end, m.replacement) not in seen:
+                seen.add((m.start, m.end, m.replacement))
+                out.append(m)
+        return out
 
     def _scoped(self, node: ast.AST) -> None:
         self.scope.append(node.name)  # type: ignore[attr-defined]
         self.generic_visit(node)
         self.scope.pop()
 
-    visit_ClassDef = visit_FunctionDef = visit_AsyncFunctionDef = _scoped
+    visit_ClassDef = _scoped
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        bound = [(a.arg, node.lineno) for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                bound.append((sub.id, sub.lineno))
+            elif isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self":
+                bound.append((ast.unparse(sub), node.lineno))  # (self's streams: there all along)
+        self.streams.append([(name, line) for name, line in bound
+                             if _NAMES_A_STREAM_ONLY.search(name) and not name.endswith("streams")])
+        self._scoped(node)
+        self.streams.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef
 
     def visit_Call(self, node: ast.Call) -> None:
         kind = _kind(node)
@@ -173,10 +221,77 @@ class _Finder(ast.NodeVisitor):
                 for arg in list(node.args) + [k.value for k in node.keywords]:
                     if isinstance(arg, (ast.Name, ast.Attribute)) and _NAMES_A_STREAM.search(_last_name(arg)):
                         self._add(node, "None", "None", arg)
+            if kind in ("point", "host"):
+                self._wrong_streams(node)
+            if kind == "point" and (isinstance(parent, ast.Expr) or isinstance(parent, ast.Assign)
+                                    and parent.value is node):
+                self._moves(node, self._ordering_statement(parent))
         elif (isinstance(node.func, ast.Attribute) and node.func.attr == "append" and isinstance(parent, ast.Expr)
               and _STORES.search(_last_name(node.func.value))):
             self._add(node, "delete", "pass", parent)  # streams.append(s), self.producers.append(stream)...
+        elif isinstance(node.func, ast.Name) and node.func.id in _FLIPS:
+            self._add(node, "flip", _FLIPS[node.func.id], node.func, extra=True)  # any(...) -> all(...)
         self.generic_visit(node)
+
+    def visit_Compare(self, node: ast.Compare) -> None:
+        if len(node.ops) == 1 and type(node.ops[0]) in _OFF_BY_ONE:
+            # (the operator has no position of its own: the text between the operands)
+            left_end, right_start = self._span(node.left)[1], self._span(node.comparators[0])[0]
+            between = self.source[left_end:right_start].decode()
+            op = between.strip().strip("()").strip()
+            if op in ("<", "<=", ">", ">="):
+                self._add(node, "flip", between.replace(op, _OFF_BY_ONE[type(node.ops[0])], 1), node, extra=True,
+                          span=(left_end, right_start))
+        self.generic_visit(node)
+
+    def _wrong_streams(self, call: ast.Call) -> None:
+        """"wrong stream" and "swap args" mutants of an ordering or host-buffer call."""
+        args = [a for a in call.args if isinstance(a, (ast.Name, ast.Attribute))]
+        streamish = [a for a in args if _NAMES_A_STREAM_ONLY.search(_last_name(a))
+                     and not _last_name(a).endswith("streams")]
+        known = self.streams[-1] if self.streams else []
+        for arg in streamish:
+            here = ast.unparse(arg)
+            others = sorted({name for name, line in known if line < call.lineno and name != here})
+            for other in others:
+                self._add(call, "wrong stream", other, arg, extra=True)
+        first = call.args[:2]
+        if len(first) == 2 and all(a in streamish for a in first) and ast.unparse(first[0]) != ast.unparse(first[1]):
+            a, b = (self._span(x) for x in first)
+            between = self.source[a[1]:b[0]].decode()
+            self._add(call, "swap args", ast.unparse(first[1]) + between + ast.unparse(first[0]), first[0],
+                      extra=True, span=(a[0], b[1]))
+
+    def _ordering_statement(self, stmt: ast.stmt) -> ast.stmt:
+        """``stmt``, or the ``if`` (without ``else``) whose body it is only with other ordering
+        statements (``if ...: self._protect(...)`` moves as a whole)."""
+        parent = self.parents.get(stmt)
+        while (isinstance(parent, ast.If) and not parent.orelse and stmt in parent.body
+               and all(_is_ordering(x) for x in parent.body)):
+            stmt, parent = parent, self.parents.get(parent)
+        return stmt
+
+    def _moves(self, call: ast.Call, stmt: ast.stmt) -> None:
+        """"move" mutants: ``stmt`` (an ordering statement) trades places with a neighbour that
+        does something a stream can see (a call, a ``del``, a reference set to ``None``)."""
+        block = next((getattr(self.parents[stmt], f) for f in ("body", "orelse", "finalbody")
+                      if stmt in getattr(self.parents[stmt], f, [])), None)
+        if block is None:
+            return
+        i = block.index(stmt)
+        for j in (i - 1, i + 1):
+            if not 0 <= j < len(block):
+                continue
+            other = block[j]
+            if isinstance(other, (ast.Return, ast.Raise, ast.Break, ast.Continue)) or not _acts(other):
+                continue  # (after a return it is a deletion; next to bookkeeping it changes nothing)
+            if _depends(stmt, other):
+                continue
+            first, second = (other, stmt) if j < i else (stmt, other)
+            a, b = self._span(first), self._span(second)
+            between = self.source[a[1]:b[0]].decode()
+            text = (self.source[b[0]:b[1]].decode() + between + self.source[a[0]:a[1]].decode())
+            self._add(call, "move", text, first, extra=True, span=(a[0], b[1]))
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
         parent = self.parents.get(node)
@@ -215,6 +330,35 @@ class _Finder(ast.NodeVisitor):
         self._add(node, "drop target", ast.unparse(new) if new.targets else "pass")
 
 
+def _is_ordering(stmt: ast.stmt) -> bool:
+    """A statement that is one primitive or ordering-point call (its value assigned, or not)."""
+    return isinstance(stmt, (ast.Expr, ast.Assign)) and _kind(stmt.value) == "point"
+
+
+def _acts(stmt: ast.stmt) -> bool:
+    """Whether ``stmt`` does something a stream can see: it calls something, deletes, or sets a
+    reference to ``None`` (which may free a block). Not another ordering statement (two of them
+    commute), nor a guard that only raises or returns (the move would change the error path)."""
+    if _is_ordering(stmt) or isinstance(stmt, ast.If) and not stmt.orelse and (
+            all(_is_ordering(x) for x in stmt.body) or all(isinstance(x, (ast.Raise, ast.Return)) for x in stmt.body)):
+        return False
+    return any(isinstance(sub, ast.Call) and _callee(sub) not in _BOOKKEEPING or isinstance(sub, ast.Delete)
+               or isinstance(sub, ast.Assign) and isinstance(sub.value, ast.Constant) and sub.value.value is None
+               for sub in ast.walk(stmt))
+
+
+def _locals(node: ast.AST, store: bool) -> set:
+    return {sub.id for sub in ast.walk(node) if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store) == store}
+
+
+def _depends(a: ast.stmt, b: ast.stmt) -> bool:
+    """Whether one of two statements reads or assigns a local the other assigns (trading their
+    places would only break the code: no mutant). Attributes do not count: moving a wait across
+    the release of ``self._src`` is a mutant worth making."""
+    wa, wb = _locals(a, True), _locals(b, True)
+    return bool(wa & (_locals(b, False) | wb) or wb & _locals(a, False))
+
+
 def find_mutants(root: Path = ROOT, scopes: Sequence[str] = SCOPES) -> List[Mutant]:
     """Every mutant of every ordering site under ``scopes``, in file and line order."""
     out: List[Mutant] = []
@@ -227,7 +371,7 @@ def find_mutants(root: Path = ROOT, scopes: Sequence[str] = SCOPES) -> List[Muta
 def _pytest(tree: Path, tests: Sequence[str], timeout: float) -> Tuple[str, str]:
     """Run ``tests`` on the copy ``tree``: ``(outcome, detail)``, outcome ``"passed"``,
     ``"failed"`` (a test failed), ``"error"`` (collection or usage error) or ``"timeout"``."""
-    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+    env = dict(os.environ, PYTHONPATH=str(tree), **_ENV)
     cmd = [sys.executable, "-m", "pytest", *tests, "-x", "-q", "-p", "no:cacheprovider"]
     try:
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout,
@@ -254,7 +398,8 @@ def run_mutants(mutants: Sequence[Mutant], tests: Sequence[str] = ORDERING_TESTS
     with tempfile.TemporaryDirectory(prefix="hp-mutants-") as tmp:
         base = _copy_tree(root, Path(tmp) / "base")
         where = subprocess.run([sys.executable, "-c", "import hyper_parallel; print(hyper_parallel.__file__)"],
-                               cwd=base, env=dict(os.environ, PYTHONPATH=str(base)), capture_output=True, text=True)
+                               cwd=base, env=dict(os.environ, PYTHONPATH=str(base), **_ENV), capture_output=True,
+                               text=True)
         if not where.stdout.strip().startswith(str(base)):
             raise RuntimeError(f"the scratch copy does not shadow the installed package: {where.stdout}{where.stderr}")
         outcome, detail = _pytest(base, tests, timeout)
@@ -291,12 +436,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("-j", "--jobs", type=int, default=2, help="mutants run at once (default 2)")
     parser.add_argument("--list", action="store_true", help="list the sites and mutants, run nothing")
     parser.add_argument("--only", default="", help="only mutants whose 'path:line Class.function' contains this")
+    parser.add_argument("--kind", action="append", default=[],
+                        help="only mutants of this kind (repeatable): delete, None, no-op, 'drop target', "
+                             "'wrong stream', 'swap args', move, flip")
     parser.add_argument("--tests", nargs="+", default=list(ORDERING_TESTS),
                         help="test files or node ids to run per mutant (default: the ordering tests)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant before it counts as caught "
                                                                       "by a hang (default 900)")
     args = parser.parse_args(argv)
-    mutants = [m for m in find_mutants() if args.only in f"{m.path}:{m.line} {m.where}"]
+    mutants = [m for m in find_mutants() if args.only in f"{m.path}:{m.line} {m.where}"
+               and (not args.kind or m.kind in args.kind)]
     sites = {m.site for m in mutants}
     print(f"{len(sites)} ordering sites, {len(mutants)} mutants under {', '.join(SCOPES)}")
     if args.list:

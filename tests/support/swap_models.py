@@ -36,7 +36,6 @@ __all__ = [
     "saved_tensor_nodes",
     "group",
     "round_trip",
-    "follows_memory",
     "add_swap",
 ]
 
@@ -50,13 +49,6 @@ def add_swap(storage: Any, t: torch.Tensor) -> Any:
     facts = SwapManager().backend.saved_facts(t, ())
     assert facts.reason is None, f"not a swap candidate: {facts.reason}"
     return storage.add(facts)
-
-
-def follows_memory() -> bool:
-    """Whether the layer chain follows memory now (copies are synchronous and the prefetch budget
-    is 0, the CPU default): offloads are waited at once and backward loads each tensor on use."""
-    mgr = SwapManager()
-    return not mgr.copies_overlap() and mgr.prefetch_budget() == 0
 
 
 class ToyBlock(nn.Module):

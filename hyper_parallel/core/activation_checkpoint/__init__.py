@@ -58,8 +58,7 @@ from hyper_parallel.core.wrapping import (checkpoint_exclude_wrapper, checkpoint
 from hyper_parallel.planner import (MemoryPlan, PipelinePlan, pipeline_in_flight, plan_memory,  # noqa: E402
                                     plan_pipeline, set_prober)
 
-if _SelectedProber is not None:
-    set_prober(_SelectedProber())
+set_prober(_SelectedProber())
 
 __all__ = [
     "CheckpointPolicy",
