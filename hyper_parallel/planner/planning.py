@@ -513,9 +513,13 @@ def make_plan(layers: Any, step_fn: Callable[[], Any], answer: Callable[[Planner
     stack = _layer_list(layers, prober)
     settable = container if prober.is_container(container) else None
 
+    measured: Dict[Tuple[LayerOption, ...], Optional[int]] = {}  # (a plan is run once)
+
     def measure(options: List[LayerOption]) -> Optional[int]:
-        seen = [planner_seen[r] for r in type_keys]
-        return prober.measure_plan(settable, stack, options, seen, step_fn)
+        key = tuple(options)
+        if key not in measured:
+            measured[key] = prober.measure_plan(settable, stack, options, [planner_seen[r] for r in type_keys], step_fn)
+        return measured[key]
 
     planner_seen: Dict[str, List[OpKey]] = {}
     type_keys: List[str] = []

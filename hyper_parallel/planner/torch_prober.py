@@ -32,6 +32,7 @@ from hyper_parallel.backends.torch._shim import is_sharded, unsharded_copy, unty
 from hyper_parallel.backends.torch.backend import TorchBackend
 from hyper_parallel.integrations import find_layer_stack
 from hyper_parallel.tools.clock import no_gc, step_clock
+from hyper_parallel.tools.gc_pause import live_objects
 from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, local_tensors, mark_host
 
 from .options import OpKey
@@ -191,6 +192,7 @@ class TorchProber(ChainProber):
     def __init__(self) -> None:
         self._backend = _BACKEND
         self._labels: Dict[Any, str] = {}
+        self._session: Optional[Tuple[List[torch.nn.Parameter], List[Any]]] = None  # (see _watched_state)
 
     # ------------------------------------------------------------------ names and sizes
     def key_of(self, op: Any, args: Tuple[Any, ...]) -> OpKey:
@@ -259,13 +261,15 @@ class TorchProber(ChainProber):
         back as they were (the step is profiled from them, as the loop runs it). Everything that
         call changed (parameters stepped, optimizer and scheduler state, generators) is put back
         after the block."""
-        state = self._watched_state()
+        state = self._watched_state(collect=2)
+        self._session = _live_training_objects()
         try:
             with _Recorder(state, self.key_of, self._backend.written_tensors):
                 step_fn()
             state.restore_gradients()
             yield
         finally:
+            self._session = None
             state.restore()
 
     @staticmethod
@@ -274,16 +278,18 @@ class TorchProber(ChainProber):
         to plan alone (``torch_distributed.collectives_for``)."""
         return collectives_for(group)
 
-    @staticmethod
-    def _watched_state() -> _StepState:
+    def _watched_state(self, collect: int = 1) -> _StepState:
         """A fresh state for a step: the generators saved, every live parameter's ``.grad`` seen
         (FSDP2 sets its sharded parameters' ``.grad`` itself: no op of the step names them), and
         every optimizer, learning-rate scheduler and gradient scaler kept as it is (a step may
         step them: their lazily created state and counters go back afterwards)."""
         state = _StepState()
         state.save_rng()
-        gc.collect()  # (garbage in reference cycles would count as live memory, and its parameters as the step's)
-        parameters, stateful = _live_training_objects()
+        # (garbage in reference cycles would count as live memory, and its parameters as the step's;
+        # the old generation is collected once, when planning starts: what planning leaves is young)
+        gc.collect(collect)
+        # (while planning, the parameters and optimizers alive are those it started with)
+        parameters, stateful = self._session or _live_training_objects()
         for p in parameters:
             state.see_leaf(p)
         for obj in stateful:
@@ -543,19 +549,9 @@ _STATEFUL = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.
 
 
 def _live_training_objects() -> Tuple[List[torch.nn.Parameter], List[Any]]:
-    """Every parameter alive in the process, and every optimizer, scheduler and gradient scaler
-    (``type`` first: ``isinstance`` on an arbitrary object may evaluate a ``__class__`` property,
-    and some warn)."""
-    tensor_type = torch.Tensor
-    parameters, stateful = [], []
-    for obj in gc.get_objects():
-        cls = type(obj)
-        if issubclass(cls, tensor_type):
-            if isinstance(obj, torch.nn.Parameter):
-                parameters.append(obj)
-        elif issubclass(cls, _STATEFUL):
-            stateful.append(obj)
-    return parameters, stateful
+    """Every parameter alive in the process, and every optimizer, scheduler and gradient scaler."""
+    parameters, *stateful = live_objects(torch.nn.Parameter, *_STATEFUL)
+    return parameters, [obj for found in stateful for obj in found]
 
 
 def _unrelated_bytes(recorder: _Recorder) -> int:
@@ -570,31 +566,22 @@ def _unrelated_bytes(recorder: _Recorder) -> int:
     whole: a buffer of it the step never reads (a rotary table's unused copy) is device memory the
     model holds, as an accelerator's allocator counts it."""
     seen, total = set(), 0
-    tensor_type, storage_type, module_type = torch.Tensor, torch.UntypedStorage, torch.nn.Module
-    objs = gc.get_objects()
-    try:
-        modules = [obj for obj in objs if issubclass(type(obj), module_type)]
-        children = {id(c) for m in modules for c in m._modules.values() if c is not None}
-        used = recorder.reached.keys() | recorder.created.keys()
-        for root in (m for m in modules if id(m) not in children):
-            keys = {_storage_key(t) for p in [*root.parameters(), *root.buffers()] for t in local_tensors(p)}
-            if keys & used:
-                seen |= keys  # (the model's own: not unrelated)
-        for obj in objs:
-            if type(obj) is storage_type:
-                storages = [(untyped_storage_key(obj), obj)]
-            elif issubclass(type(obj), tensor_type) and obj.layout is torch.strided:
-                storages = [(_storage_key(t), t.untyped_storage()) for t in local_tensors(obj)]
-            else:
-                continue
-            for key, storage in storages:
-                if storage.device.type != "cpu" or key in seen or key in recorder.created or key in recorder.reached \
-                        or is_host_storage(storage):
-                    continue
-                seen.add(key)
-                total += storage.nbytes()
-    finally:
-        del objs
+    modules, storages, tensors = live_objects(torch.nn.Module, torch.UntypedStorage, torch.Tensor)
+    children = {id(c) for m in modules for c in m._modules.values() if c is not None}
+    used = recorder.reached.keys() | recorder.created.keys()
+    for root in (m for m in modules if id(m) not in children):
+        keys = {_storage_key(t) for p in [*root.parameters(), *root.buffers()] for t in local_tensors(p)}
+        if keys & used:
+            seen |= keys  # (the model's own: not unrelated)
+    found = [(untyped_storage_key(s), s) for s in storages]
+    found += [(_storage_key(t), t.untyped_storage()) for obj in tensors if obj.layout is torch.strided
+              for t in local_tensors(obj)]
+    for key, storage in found:
+        if storage.device.type != "cpu" or key in seen or key in recorder.created or key in recorder.reached \
+                or is_host_storage(storage):
+            continue
+        seen.add(key)
+        total += storage.nbytes()
     return total
 
 

@@ -34,7 +34,6 @@ Example::
 from __future__ import annotations
 
 import functools
-import gc
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -48,6 +47,7 @@ from torch.utils._python_dispatch import (
 from torch.utils._pytree import tree_flatten
 
 from hyper_parallel.core.host_pool import on_host_buffer
+from hyper_parallel.tools.gc_pause import live_objects
 
 __all__ = ["MemoryMeter", "mark_host", "is_host_storage"]
 
@@ -399,17 +399,11 @@ def _register_gc_tensors(tracker: _CpuStorageTracker) -> None:
     in C++ (e.g. activations saved by an autograd graph whose Python tensor was dropped
     before the meter was entered) are invisible here.
     """
-    tensor_type, storage_type = torch.Tensor, torch.UntypedStorage
-    objs = gc.get_objects()
-    try:
-        for obj in objs:
-            tp = type(obj)
-            if tp is storage_type:
-                tracker.register_storage(obj)
-            elif issubclass(tp, tensor_type):
-                tracker.register_tensor(obj)
-    finally:
-        del objs  # the list pins every object in the process; release it promptly
+    storages, tensors = live_objects(torch.UntypedStorage, torch.Tensor)
+    for storage in storages:
+        tracker.register_storage(storage)
+    for tensor in tensors:
+        tracker.register_tensor(tensor)
 
 
 # --------------------------------------------------------------------------------------
