@@ -17,6 +17,8 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")
 
 from hyper_parallel.core.activation_checkpoint import MemoryPlan, SwapManager, plan_memory  # noqa: E402
+from hyper_parallel.planner import active_prober  # noqa: E402
+from hyper_parallel.planner.planning import make_plan  # noqa: E402
 from hyper_parallel.tools.memory import MemoryMeter  # noqa: E402
 from hyper_parallel.bench.hf_models import FAMILIES, batch, build, loss  # noqa: E402
 
@@ -35,6 +37,21 @@ def _measured_peak(model, step, *track):
     return meter.peak_bytes
 
 
+def _plans_across(model, step, fractions):
+    """Plans for budgets at ``fractions`` of the way from the smallest reachable peak (measured) to
+    the step's peak with nothing wrapped, from one profile: ``plan_memory``'s path (profile, probes,
+    each plan checked by running it), without profiling a second time to learn the range."""
+
+    def answer(planner, measure):
+        widest = planner.plan(planner.reference_peak(), measure=measure)
+        low, high = widest.min_budget_bytes, widest.reference_peak_bytes
+        assert low < high, widest.report()
+        budgets = [int(low + (high - low) * f) for f in fractions]
+        return [planner.plan(b, measure=measure) for b in budgets]
+
+    return [(plan.budget_bytes, plan) for plan in make_plan(model, step, answer, prober=active_prober())]
+
+
 # ---------------------------------------------------------------------------- every family
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -43,14 +60,9 @@ def test_every_family_fits_three_budgets_and_trains_bitwise(family):
     ids = batch(family, batch=2, seq=48, seed=1)
     model = copy.deepcopy(base)
     step = lambda: loss(model, ids).backward()  # noqa: E731
-    first = plan_memory(model, step, "8GiB")
-    low, high = first.min_budget_bytes, first.reference_peak_bytes
-    assert low < high, first.report()
     torch.manual_seed(5)
     reference = loss(copy.deepcopy(base), ids).detach()
-    budgets = [int(low + (high - low) * fraction) for fraction in (0.0, 0.35, 0.75)]
-    for budget, plan in zip(budgets, plan_memory(model, step, budgets)):  # (one profile, three plans)
-        fraction = (budget - low) / (high - low)
+    for fraction, (budget, plan) in zip((0.0, 0.35, 0.75), _plans_across(model, step, (0.0, 0.35, 0.75))):
         planned = copy.deepcopy(base)
         MemoryPlan.from_json(plan.to_json(), planned).apply()
 
@@ -133,9 +145,7 @@ def test_a_real_training_step_is_planned_left_as_found_and_fits(kind):
     base = _frozen(build("llama", layers=3, hidden=64), frozen)
     plain, planning, planned = (_Trainer(copy.deepcopy(base), **spec) for _ in range(3))
     # planned before the first step: the optimizer's state does not exist yet (made lazily)
-    first = plan_memory(planning.model, lambda: planning.step(0), "8GiB")
-    budget = first.min_budget_bytes + (first.reference_peak_bytes - first.min_budget_bytes) // 3
-    plan = plan_memory(planning.model, lambda: planning.step(0), budget)
+    [(budget, plan)] = _plans_across(planning.model, lambda: planning.step(0), [1 / 3])
     assert not planning.opt.state, "planning left optimizer state behind"
     MemoryPlan.from_json(plan.to_json(), planned.model).apply()
     for i in range(3):
@@ -174,9 +184,7 @@ def test_a_bigger_batch_warns_or_raises_and_batches_plan_for_the_largest():
     base = build("llama", layers=3, hidden=64)
     small, big = (batch("llama", batch=b, seq=48, seed=b) for b in (2, 4))
     model = copy.deepcopy(base)
-    first = plan_memory(model, lambda: loss(model, small).backward(), "8GiB")
-    budget = (first.min_budget_bytes + first.reference_peak_bytes) // 2
-    plan = plan_memory(model, lambda: loss(model, small).backward(), budget)
+    [(budget, plan)] = _plans_across(model, lambda: loss(model, small).backward(), [0.5])
     assert plan.input_shape == (2, 48, 64) and plan.covers((1, 48, 64)) and not plan.covers((4, 48, 64))
     warned = copy.deepcopy(base)
     MemoryPlan.from_json(plan.to_json(), warned).apply()

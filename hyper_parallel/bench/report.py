@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import sys
+import textwrap
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -294,7 +295,7 @@ def pareto_chart(path: str, models: List[Dict[str, Any]]) -> None:
             ax.annotate(n, (r["fwd_bwd_peak_bytes"] / MiB, r["step_time_s"] * 1e3), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
         ax.set(xlabel="measured peak of forward + backward (MiB)", ylabel="median forward + backward (ms)")
-        ax.set_title(m["model"], fontsize=8)
+        ax.set_title(textwrap.fill(m["model"], 70), fontsize=8)  # (a long title kept inside the panel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("memory plans against the fixed recipes", fontsize=10)

@@ -262,11 +262,12 @@ class TorchProber(ChainProber):
         call changed (parameters stepped, optimizer and scheduler state, generators) is put back
         after the block."""
         state = self._watched_state(collect=2)
-        self._session = _live_training_objects()
         try:
             with _Recorder(state, self.key_of, self._backend.written_tensors):
                 step_fn()
             state.restore_gradients()
+            # (found after a step: what the first step makes lazily, FSDP2's unsharded parameters, is there)
+            self._session = _live_training_objects()
             yield
         finally:
             self._session = None
@@ -549,9 +550,11 @@ _STATEFUL = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.
 
 
 def _live_training_objects() -> Tuple[List[torch.nn.Parameter], List[Any]]:
-    """Every parameter alive in the process, and every optimizer, scheduler and gradient scaler."""
-    parameters, *stateful = live_objects(torch.nn.Parameter, *_STATEFUL)
-    return parameters, [obj for found in stateful for obj in found]
+    """Every parameter alive in the process, and every optimizer, scheduler and gradient scaler.
+    (A parameter of a tensor subclass, FSDP2's sharded ``DTensor``, is not of a ``Parameter`` type:
+    ``isinstance`` recognises it by its mark, so every tensor is asked.)"""
+    tensors, *stateful = live_objects(torch.Tensor, *_STATEFUL)
+    return [t for t in tensors if isinstance(t, torch.nn.Parameter)], [obj for found in stateful for obj in found]
 
 
 def _unrelated_bytes(recorder: _Recorder) -> int:
