@@ -28,8 +28,8 @@ from hyper_parallel.core.activation_checkpoint import (CheckpointPolicy, MemoryP
 from hyper_parallel.core.wrapping import wrapper_of
 from hyper_parallel.planner import OpKey, OpTablePolicy, Planner, active_prober, format_bytes
 from hyper_parallel.planner import candidates as cand
-from hyper_parallel.planner import mindspore_prober
-from hyper_parallel.planner.mindspore_prober import LiveTensorMeter, MindSporeProber, memory_meter
+from hyper_parallel.backends.mindspore import prober as mindspore_prober
+from hyper_parallel.backends.mindspore.prober import LiveTensorMeter, MindSporeProber, memory_meter
 
 import ms_model
 from ms_helpers import assert_all_equal

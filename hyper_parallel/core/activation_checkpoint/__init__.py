@@ -40,11 +40,11 @@ def selected_platform() -> str:
 if selected_platform() == "mindspore":
     from hyper_parallel.backends.mindspore.backend import MindSporeBackend as _SelectedBackend
     from hyper_parallel.backends.mindspore.backend import pipeline_recompute, pipeline_swap
-    from hyper_parallel.planner.mindspore_prober import MindSporeProber as _SelectedProber
+    from hyper_parallel.backends.mindspore.prober import MindSporeProber as _SelectedProber
 else:
     from hyper_parallel.backends.torch.backend import TorchBackend as _SelectedBackend
     from hyper_parallel.backends.torch.pipeline import pipeline_recompute, pipeline_swap
-    from hyper_parallel.planner.torch_prober import TorchProber as _SelectedProber
+    from hyper_parallel.backends.torch.prober import TorchProber as _SelectedProber
 
 set_backend(_SelectedBackend())
 

@@ -80,15 +80,14 @@ from mindspore import Tensor, nn, ops
 from mindspore.ops import Primitive
 from mindspore.utils import MsDispatchMode
 
-from hyper_parallel.backends.mindspore import _shim
-from hyper_parallel.backends.mindspore.backend import (MindSporeBackend, is_legacy_primitive_call, is_random_op,
-                                                       op_name)
 from hyper_parallel.core.backend import active_backend
 from hyper_parallel.core.host_pool import on_host_buffer
+from hyper_parallel.planner.options import OpKey
+from hyper_parallel.planner.probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
+from hyper_parallel.planner.step_state import StepState
 
-from .options import OpKey
-from .probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
-from .step_state import StepState
+from . import _shim
+from .backend import MindSporeBackend, is_legacy_primitive_call, is_random_op, op_name
 
 __all__ = ["MindSporeProber", "LiveTensorMeter", "AllocatorMeter", "EXPENSIVE_OPS", "memory_meter"]
 

@@ -28,18 +28,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from hyper_parallel.backends.torch._shim import is_sharded, unsharded_copy, untyped_storage_key
-from hyper_parallel.backends.torch.backend import TorchBackend
 from hyper_parallel.integrations import find_layer_stack
+from hyper_parallel.planner.options import OpKey
+from hyper_parallel.planner.probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
+from hyper_parallel.planner.step_state import StepState
 from hyper_parallel.tools.clock import no_gc, step_clock
 from hyper_parallel.tools.gc_pause import live_objects
 from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, local_tensors, mark_host
 
-from .options import OpKey
-from .probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
-from .step_state import StepState
-from .torch_distributed import collectives_for
-from .torch_pipeline import TorchPipeline
+from ._shim import is_sharded, unsharded_copy, untyped_storage_key
+from .backend import TorchBackend
+from .collectives import collectives_for
+from .pipeline_schedule import TorchPipeline
 
 __all__ = ["TorchProber", "EXPENSIVE_OPS"]
 
@@ -275,7 +275,7 @@ class TorchProber(ChainProber):
     @staticmethod
     def collectives(group: Any) -> Any:
         """The ``torch.distributed`` collectives of ``plan_memory(..., group=group)``, or ``None``
-        to plan alone (``torch_distributed.collectives_for``)."""
+        to plan alone (``collectives.collectives_for``)."""
         return collectives_for(group)
 
     def _watched_state(self, collect: int = 1) -> _StepState:
