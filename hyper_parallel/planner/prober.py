@@ -1,12 +1,11 @@
 """What the planner asks of a framework: the ``Prober`` protocol.
 
-The planner's core (options, cost model, solver, plans) imports no framework; one prober per
-framework supplies the rest, and the public API module binds the one of the selected framework
-(``hyper_parallel.planner.set_prober``), as it binds the engine's backend.
-``hyper_parallel.backends.torch.prober.TorchProber`` is PyTorch's,
-``hyper_parallel.backends.mindspore.prober.MindSporeProber`` MindSpore's (PyNative). Both are
-``hyper_parallel.planner.probing.ChainProber`` s: the algorithm is written once there, and each
-implements only its framework's primitives.
+The planner's core (options, cost model, solver, plans) imports no framework; the framework's
+backend supplies the rest: ``Backend.prober()`` (the one seam per framework; the planner asks
+``active_backend().prober()``). ``hyper_parallel.backends.torch.prober.TorchProber`` is
+PyTorch's, ``hyper_parallel.backends.mindspore.prober.MindSporeProber`` MindSpore's (PyNative).
+Both are ``hyper_parallel.planner.probing.ChainProber`` s: the algorithm is written once there,
+and each implements only its framework's primitives.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from hyper_parallel.core.region_state import AroundMode
 from hyper_parallel.integrations.transformers import family_of as hf_family_of
 
 from . import _shim
+from .prober import TorchProber
 
 __all__ = ["TorchBackend", "ViewMeta", "HOST", "not_byte_copyable"]
 
@@ -180,6 +181,7 @@ class TorchBackend(Backend):
         self._dm = torch.get_device_module(acc.type) if acc is not None else None
         self._written: Dict[Any, Tuple[Tuple[int, str], ...]] = {}
         self._kinds: Dict[Any, OpKind] = {}
+        self._prober: Optional[TorchProber] = None
 
     # ------------------------------------------------------------------ tensors
     def is_tensor(self, x: Any) -> bool:
@@ -312,8 +314,12 @@ class TorchBackend(Backend):
     trace_range = staticmethod(_shim.trace_range)  # (opened several times per layer)
 
     # ------------------------------------------------------------------ random numbers
-    def rng_state(self, args: Sequence[Any]) -> Any:
-        devices = {t.device for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
+    def rng_state(self, args: Optional[Sequence[Any]]) -> Any:
+        if args is None:  # (every generator: the CPU's and every device's of the accelerator)
+            devices = {torch.device(self.accelerator.type, i) for i in range(self._dm.device_count())} \
+                if self._dm is not None else set()
+        else:
+            devices = {t.device for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
         state: List[Tuple[Optional[torch.device], torch.Tensor]] = [(None, torch.get_rng_state())]
         for device in devices:
             module = torch.get_device_module(device.type)
@@ -497,3 +503,9 @@ class TorchBackend(Backend):
 
     def register_grad_hook(self, t: torch.Tensor, fn: Callable[[Any], None]) -> None:
         t.register_hook(fn)
+
+    # ------------------------------------------------------------------ the planner
+    def prober(self) -> TorchProber:
+        if self._prober is None:
+            self._prober = TorchProber(self)
+        return self._prober
