@@ -32,7 +32,7 @@ from hyper_parallel.core.region_state import AroundMode
 
 from . import _shim
 from .op_classes import MACHINERY_OPS, is_legacy_primitive_call, is_mutating_op, is_random_op, op_name
-from .prober import MindSporeProber
+from .prober import HOST_MARKS, MindSporeProber
 
 __all__ = ["MindSporeBackend", "ViewMeta", "device_kind", "pipeline_swap", "pipeline_recompute"]
 
@@ -240,7 +240,9 @@ class MindSporeBackend(Backend):
 
     def empty_host_bytes(self, nbytes: int) -> Tensor:
         with _shim.internal():
-            return mint.empty(nbytes, dtype=ms.uint8, device="CPU", pin_memory=self.accelerator is not None)
+            buf = mint.empty(nbytes, dtype=ms.uint8, device="CPU", pin_memory=self.accelerator is not None)
+        HOST_MARKS.mark(buf)  # (host memory: the CPU meter never counts it as device memory)
+        return buf
 
     def copy_bytes(self, dst: Tensor, src: Tensor, dst_offset: int = 0) -> None:
         if dst_offset:

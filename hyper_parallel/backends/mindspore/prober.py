@@ -81,7 +81,6 @@ from mindspore.ops import Primitive
 from mindspore.utils import MsDispatchMode
 
 from hyper_parallel.core.backend import Backend, active_backend
-from hyper_parallel.core.host_pool import on_host_buffer
 from hyper_parallel.planner.options import OpKey
 from hyper_parallel.planner.probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
 from hyper_parallel.planner.step_state import StepState
@@ -89,7 +88,7 @@ from hyper_parallel.planner.step_state import StepState
 from . import _shim
 from .op_classes import is_legacy_primitive_call, is_random_op, op_name
 
-__all__ = ["MindSporeProber", "LiveTensorMeter", "AllocatorMeter", "EXPENSIVE_OPS", "memory_meter"]
+__all__ = ["MindSporeProber", "LiveTensorMeter", "AllocatorMeter", "EXPENSIVE_OPS", "memory_meter", "HOST_MARKS"]
 
 #: Ops whose outputs the fixed recipes save or swap (matmuls, attention kernels, convolutions).
 EXPENSIVE_OPS = frozenset({"MatMul", "MatMulExt", "BatchMatMul", "BatchMatMulExt", "Dense", "Baddbmm",
@@ -209,8 +208,8 @@ class _HostMarks:
         return ptr in self._count
 
 
-_HOST = _HostMarks()
-on_host_buffer(_HOST.mark)  # (every host buffer the swap engine holds now and allocates from now on)
+#: The host buffers the backend allocates for the engine (``MindSporeBackend.empty_host_bytes`` marks them).
+HOST_MARKS = _HostMarks()
 
 
 # ----------------------------------------------------------------------------------- memory meters
@@ -322,7 +321,7 @@ class LiveTensorMeter:
         if ref is not None and ref() is t:
             return
         ptr = _address(t)
-        if ptr is None or ptr in _HOST:
+        if ptr is None or ptr in HOST_MARKS:
             return
         if ptr in self._before:
             if not fresh:

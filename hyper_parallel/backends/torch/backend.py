@@ -23,6 +23,7 @@ from hyper_parallel.core.keep_reason import KeepReason
 from hyper_parallel.core.policy import CheckpointPolicy, normalize_policy
 from hyper_parallel.core.region_state import AroundMode
 from hyper_parallel.integrations.transformers import family_of as hf_family_of
+from hyper_parallel.tools.memory import mark_host
 
 from . import _shim
 from .prober import TorchProber
@@ -256,8 +257,11 @@ class TorchBackend(Backend):
         return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
 
     def empty_host_bytes(self, nbytes: int) -> torch.Tensor:
-        # Pinned memory makes D2H/H2D truly asynchronous; a CPU-only build has none.
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.accelerator is not None)
+        # Pinned memory makes D2H/H2D truly asynchronous; a CPU-only build has none. Marked as host
+        # memory: a CPU memory meter never counts it as device memory.
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.accelerator is not None)
+        mark_host(buf)
+        return buf
 
     def host_alloc_size(self, nbytes: int) -> int:
         # PyTorch's caching host allocator reserves the next power of two for a pinned request
