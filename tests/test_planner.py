@@ -17,7 +17,8 @@ import torch
 from hyper_parallel.bench.model import GPT, GPTConfig, make_batch
 from hyper_parallel.core.activation_checkpoint import (CheckpointPolicy, MemoryPlan, SwapManager, checkpoint_wrapper,
                                                        plan_memory)
-from hyper_parallel.planner import OpKey, OpTablePolicy, Planner, active_prober, format_bytes, parse_budget
+from hyper_parallel.core.backend import active_backend
+from hyper_parallel.planner import OpKey, OpTablePolicy, Planner, format_bytes, parse_budget
 from hyper_parallel.planner import candidates as cand
 from hyper_parallel.planner.options import LayerOption
 from hyper_parallel.planner.plan import LayerChoice
@@ -228,7 +229,7 @@ def test_prediction_adds_each_layers_effect_where_it_stands():
 
 
 def test_op_table_policy_counts_what_the_profile_did_not_see():
-    key_of = active_prober().key_of
+    key_of = active_backend().prober().key_of
     mm = OpKey(str(torch.ops.aten.mm.default), ((4, 4), (4, 4)))
     policy = OpTablePolicy({mm: CheckpointPolicy.MUST_SAVE}, key_of)
 
@@ -258,7 +259,7 @@ class _Setup:
         self.base = GPT(_CFG, seed=3)
         self.profiled = copy.deepcopy(self.base)
         self.step = lambda: _loss(self.profiled, 0).backward()
-        prober = active_prober()
+        prober = active_backend().prober()
         self.profile = prober.profile_step(list(self.profiled.layers), self.step)
         self.planner = Planner(list(self.profiled.layers), self.profile, prober)
         self.minimum = self.planner.min_budget()[0]
@@ -428,7 +429,7 @@ def test_a_memory_plan_survives_json_field_by_field():
                   baseline_bytes=654321)
     keywords = [n for n, p in inspect.signature(MemoryPlan.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY]
     assert sorted(keywords) == sorted(values)  # (a new keyword needs a value here)
-    plan = MemoryPlan(layers, choices, {"Block": [_MM, _GELU]}, active_prober(), **values)
+    plan = MemoryPlan(layers, choices, {"Block": [_MM, _GELU]}, active_backend().prober(), **values)
     plan.stack_path = "model.layers"
     again = MemoryPlan.from_json(plan.to_json(), [torch.nn.Linear(4, 4) for _ in _EVERY_OPTION])
     for name, value in values.items():
@@ -480,7 +481,7 @@ def test_tensors_kept_by_torch_compile_caches_are_not_memory():
     torch.manual_seed(0)
     model = GPT(_CFG, seed=5)
     step = lambda: _loss(model, 0).backward()  # noqa: E731
-    prober = active_prober()
+    prober = active_backend().prober()
     before = prober.profile_step(list(model.layers), step)
     model.zero_grad(set_to_none=True)
     traced = torch.compile(lambda x: (x * 2).sin(), dynamic=True, backend="eager")

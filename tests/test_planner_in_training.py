@@ -218,11 +218,12 @@ def test_times_within_noise_of_each_other_do_not_change_the_plan():
     """The choice rests on the options' times grouped within noise (``Planner.seconds``): moving
     every measured time by a twentieth of its tolerance (less than the noise its probes showed)
     gives the same plan; and the same step planned twice gives the same plan."""
-    from hyper_parallel.planner import Planner, active_prober
+    from hyper_parallel.core.backend import active_backend
+    from hyper_parallel.planner import Planner
 
     base = build("llama", layers=3, hidden=32)
     ids = batch("llama", batch=2, seq=32, seed=1)
-    prober = active_prober()
+    prober = active_backend().prober()
     _, layers = prober.find_layers(base)
     planner = Planner(layers, prober.profile_step(layers, lambda: loss(base, ids).backward()), prober)
     budget = (planner.min_budget()[0] + planner.reference_peak()) // 2

@@ -26,10 +26,11 @@ from hyper_parallel.backends.mindspore import _shim
 from hyper_parallel.core.activation_checkpoint import (CheckpointPolicy, MemoryPlan, SwapManager, checkpoint,
                                                        checkpoint_wrapper, plan_memory)
 from hyper_parallel.core.wrapping import wrapper_of
-from hyper_parallel.planner import OpKey, OpTablePolicy, Planner, active_prober, format_bytes
+from hyper_parallel.core.backend import active_backend
+from hyper_parallel.planner import OpKey, OpTablePolicy, Planner, format_bytes
 from hyper_parallel.planner import candidates as cand
-from hyper_parallel.planner import mindspore_prober
-from hyper_parallel.planner.mindspore_prober import LiveTensorMeter, MindSporeProber, memory_meter
+from hyper_parallel.backends.mindspore import prober as mindspore_prober
+from hyper_parallel.backends.mindspore.prober import LiveTensorMeter, MindSporeProber, memory_meter
 
 import ms_model
 from ms_helpers import assert_all_equal
@@ -60,7 +61,7 @@ def _train(model: ms_model.GPT, steps: int = 3) -> Tuple[List[float], Dict[str, 
 
 # ------------------------------------------------------------------------------ the prober (quick)
 def test_the_mindspore_prober_is_the_planners_framework_part():
-    prober = active_prober()
+    prober = active_backend().prober()
     assert isinstance(prober, MindSporeProber) and prober.name == "mindspore"
     assert prober.is_layer(nn.Dense(2, 2)) and not prober.is_layer(Tensor(np.ones(2, np.float32)))
 
@@ -73,7 +74,7 @@ class _Keys(MsDispatchMode):
         self.keys: List[OpKey] = []
 
     def __ms_dispatch__(self, func, args, kwargs=None):
-        self.keys.append(active_prober().key_of(func, args))
+        self.keys.append(active_backend().prober().key_of(func, args))
         return func(*args, **kwargs) if kwargs else func(*args)
 
 
@@ -100,7 +101,7 @@ def test_a_generated_op_table_policy_drives_a_mindspore_checkpoint_bitwise():
     def block(x):
         return mint.sin(mint.matmul(mint.cos(x), w1))
 
-    key_of = active_prober().key_of
+    key_of = active_backend().prober().key_of
     matmul = OpKey("MatMulExt", ((4, 6), (6, 6)))
     cos = OpKey("Cos", ((4, 6),))
     policy = OpTablePolicy({matmul: CheckpointPolicy.MUST_SAVE, cos: CheckpointPolicy.PREFER_RECOMPUTE}, key_of)
@@ -188,7 +189,7 @@ class _Setup:
 
         self.step = step
         self.before = _state_of(self.profiled, self.norm, self.accumulator)
-        prober = active_prober()
+        prober = active_backend().prober()
         self.profile = prober.profile_step(list(self.profiled.layers), self.step)
         self.planner = Planner(list(self.profiled.layers), self.profile, prober)
         self.minimum = self.planner.min_budget()[0]
@@ -307,7 +308,7 @@ def test_generated_selective_policies_keep_what_they_name_and_train_bitwise(setu
         option = options[label]
         assert {k.label for k, _ in option.keep} <= {"MatMul", "MatMulExt"}
         model = _build()
-        policies = [active_prober().wrap(layer, option, seen) for layer in model.layers]
+        policies = [active_backend().prober().wrap(layer, option, seen) for layer in model.layers]
         for first, second in zip(model.layers, list(model.layers)[1:]):
             SwapManager().set_forward_prefetch_layer(first, second)
         ms.set_seed(0)
@@ -327,7 +328,7 @@ def test_the_measured_peak_is_within_the_budget(setup):
     for plan in (setup.tight, setup.loose):
         model = _applied(plan)
         _step_of(model)()  # (first step: the host pool, one-off allocations)
-        measured = active_prober().measure_step(None, _step_of(model), list(model.layers))
+        measured = active_backend().prober().measure_step(None, _step_of(model), list(model.layers))
         assert measured <= plan.budget_bytes, (format_bytes(measured), plan.report())
         SwapManager().reset()
 
@@ -341,7 +342,7 @@ def test_the_plan_fits_the_budget_by_the_count_the_planner_predicts_with(setup):
     for plan in (setup.tight, setup.loose):
         model = _applied(plan)
         _step_of(model)()  # (first step: the host pool)
-        counted = active_prober().measure_step(None, _step_of(model), list(model.layers))
+        counted = active_backend().prober().measure_step(None, _step_of(model), list(model.layers))
         assert counted <= plan.budget_bytes, (format_bytes(counted), plan.report())
         assert abs(counted - plan.predicted_peak_bytes) <= 0.1 * counted, (counted, plan.predicted_peak_bytes)
         SwapManager().reset()

@@ -230,8 +230,10 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------------ random numbers
     @abc.abstractmethod
-    def rng_state(self, args: Sequence[Any]) -> Any:
-        """A snapshot of the generators an op on ``args`` may draw from."""
+    def rng_state(self, args: Optional[Sequence[Any]]) -> Any:
+        """A snapshot of the generators an op on ``args`` may draw from; ``args=None``: of every
+        generator of the process (what a whole training step may draw from: the planner puts it
+        back after each run of the step)."""
 
     @abc.abstractmethod
     def rng_equal(self, a: Any, b: Any) -> bool:
@@ -381,6 +383,14 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def register_grad_hook(self, t: Tensor, fn: Callable[[Any], None]) -> None:
         """Call ``fn(grad)`` when the gradient of ``t`` is computed in backward."""
+
+    # ------------------------------------------------------------------ the planner
+    @abc.abstractmethod
+    def prober(self) -> Any:
+        """The planner's part of this framework, working on this backend (one object per backend):
+        a :class:`hyper_parallel.planner.prober.Prober` that profiles a training step, probes a
+        layer's options and applies plans. The planner asks the active backend for it
+        (``active_backend().prober()``); it has no registry of its own."""
 
 
 

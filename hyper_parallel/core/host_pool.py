@@ -21,32 +21,11 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import defaultdict
-from typing import Any, Callable, DefaultDict, List, Optional, Tuple
+from typing import Any, DefaultDict, List, Optional, Tuple
 
 from .backend import Backend
 
-__all__ = ["HostBufferPool", "on_host_buffer"]
-
-_listeners: List[Callable[[Any], None]] = []
-_pools: "weakref.WeakSet[HostBufferPool]" = weakref.WeakSet()
-
-
-def on_host_buffer(listener: Callable[[Any], None]) -> None:
-    """Call ``listener(buffer)`` for every host buffer the swap engine holds now and allocates
-    from now on. Tools that must tell the engine's host copies from device memory (the CPU
-    memory meter in :mod:`hyper_parallel.tools.memory`) subscribe here; the engine knows nothing
-    about them.
-
-    Example::
-
-        >>> from hyper_parallel.core.host_pool import on_host_buffer
-        >>> seen = []
-        >>> on_host_buffer(seen.append)
-    """
-    _listeners.append(listener)
-    for pool in list(_pools):
-        for buf in pool.buffers():
-            listener(buf)
+__all__ = ["HostBufferPool"]
 
 
 class HostBufferPool:
@@ -67,7 +46,6 @@ class HostBufferPool:
         self.in_use_bytes = 0
         self.allocations = 0     # how many buffers were ever created (steady state: constant)
         self._all: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-        _pools.add(self)
 
     def buffers(self) -> List[Any]:
         """Every host buffer of this pool still alive (idle or in use)."""
@@ -93,8 +71,6 @@ class HostBufferPool:
                         return None
                 buf = self._b.empty_host_bytes(nbytes)
                 self._all[id(buf)] = buf
-                for listener in _listeners:
-                    listener(buf)
                 self.reserved_bytes += size
                 self.allocations += 1
             self.in_use_bytes += nbytes

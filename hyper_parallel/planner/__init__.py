@@ -15,11 +15,11 @@ from .distributed import AgreeingProber, Collectives
 from .options import LayerOption, OpKey, OpTablePolicy, SwapAtLeast
 from .pipeline import (PipelinePlan, gpipe_actions, in_flight_counts, one_f_one_b_actions, pipeline_in_flight,
                        pipeline_step_seconds, plan_pipeline)
-from .plan import LayerChoice, MemoryPlan, active_prober, set_prober
+from .plan import LayerChoice, MemoryPlan
 from .planning import Planner, plan_memory
 
 __all__ = ["plan_memory", "MemoryPlan", "LayerChoice", "LayerOption", "OpKey", "OpTablePolicy", "SwapAtLeast",
-           "Planner", "parse_budget", "format_bytes", "set_prober", "active_prober",
+           "Planner", "parse_budget", "format_bytes",
            "plan_pipeline", "PipelinePlan", "pipeline_in_flight", "in_flight_counts", "pipeline_step_seconds",
            "gpipe_actions", "one_f_one_b_actions",
            "AgreeingProber", "Collectives"]

@@ -23,7 +23,7 @@ prober so that:
 
 A failure on any rank (a probe raising, a budget below the minimum) reaches every rank as an
 exception instead of leaving the others waiting in a collective. The collectives themselves are
-the framework's (:class:`Collectives`; PyTorch's are in ``torch_distributed.py``).
+the framework's (:class:`Collectives`; PyTorch's are in ``backends/torch/collectives.py``).
 """
 
 from __future__ import annotations

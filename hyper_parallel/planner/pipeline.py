@@ -32,7 +32,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .budget import format_bytes, parse_budget
-from .plan import MemoryPlan, active_prober
+from hyper_parallel.core.backend import active_backend
+
+from .plan import MemoryPlan
 from .planning import Planner, make_plan
 
 __all__ = ["plan_pipeline", "pipeline_in_flight", "in_flight_counts", "pipeline_step_seconds", "PipelinePlan",
@@ -153,7 +155,7 @@ def pipeline_in_flight(schedule: Any, prober: Optional[Any] = None) -> Dict[int,
         pipeline_in_flight(Schedule1F1B(stage, 4, loss_fn=loss_fn))   # {0: 2, 1: 1}
         pipeline_in_flight(ScheduleGPipe(stage, 4, loss_fn=loss_fn))  # {0: 4, 1: 4}
     """
-    view = (prober if prober is not None else active_prober()).pipeline(schedule)
+    view = (prober if prober is not None else active_backend().prober()).pipeline(schedule)
     return _in_flight(view)
 
 
@@ -252,7 +254,7 @@ def plan_pipeline(schedule: Any, budget: Union[int, str], *args: Any, target: An
         print(plan.report())
         plan.apply()                      # then train: schedule.step(x) / schedule.step(target=y)
     """
-    prober = prober if prober is not None else active_prober()
+    prober = prober if prober is not None else active_backend().prober()
     budget_bytes = parse_budget(budget)
     view = prober.pipeline(schedule)
     if len(view.stages) != 1:

@@ -7,6 +7,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
+from hyper_parallel.core.backend import active_backend
 from hyper_parallel.core.swap_manager import SwapManager
 from hyper_parallel.core.wrapping import wrapper_of
 
@@ -238,11 +239,11 @@ class MemoryPlan:
     def from_json(cls, text: str, layers: Any, prober: Optional[Any] = None) -> "MemoryPlan":
         """The plan stored by :meth:`to_json`, for ``layers`` (the same stack, or another copy of
         it; or the model holding it). ``prober``: the framework's planner part (default: the
-        active one)."""
+        active backend's)."""
         doc = json.loads(text)
         if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
             raise ValueError(f"MemoryPlan.from_json: not a memory plan (expected format {PLAN_FORMAT!r})")
-        prober = prober if prober is not None else active_prober()
+        prober = prober if prober is not None else active_backend().prober()
         if doc["framework"] != prober.name:
             raise ValueError(f"MemoryPlan.from_json: the plan was made on {doc['framework']}, this process runs "
                              f"{prober.name}")
@@ -310,23 +311,3 @@ class _ShapeGuard:
         self.seen.add(shape)
         warnings.warn(message, UserWarning, stacklevel=2)
 
-
-class _Bound:
-    """The framework's planner part, bound once by the public API module (as the engine's backend
-    is): where :func:`active_prober` finds it."""
-
-    prober: Optional[Any] = None
-
-
-def set_prober(prober: Any) -> None:
-    """Make ``prober`` the framework part plans use (the public API module does this)."""
-    _Bound.prober = prober
-
-
-def active_prober() -> Any:
-    """The prober bound by :func:`set_prober`."""
-    prober = _Bound.prober
-    if prober is None:
-        raise RuntimeError("no planner prober is active: import hyper_parallel.core.activation_checkpoint first "
-                           "(it binds the framework).")
-    return prober

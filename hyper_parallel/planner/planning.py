@@ -7,6 +7,7 @@ import inspect
 import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from hyper_parallel.core.backend import active_backend
 from hyper_parallel.core.swap_manager import SwapManager
 from hyper_parallel.core.wrapping import wrapper_of
 
@@ -16,7 +17,7 @@ from .budget import format_bytes, parse_budget
 from .cost import breakdown, predict, reference_retained
 from .distributed import AgreeingProber
 from .options import LayerOption, OpKey
-from .plan import LayerChoice, MemoryPlan, active_prober
+from .plan import LayerChoice, MemoryPlan
 from .profile import Effect, LayerType, StepProfile
 
 __all__ = ["plan_memory", "Planner", "make_plan"]
@@ -425,7 +426,7 @@ def plan_memory(layers: Any, step_fn: Callable[..., Any], budget: Union[int, str
         >>> [c.option.kind for c in plan.choices]
         ['none', 'none', 'none', 'none']
     """
-    prober = prober if prober is not None else active_prober()
+    prober = prober if prober is not None else active_backend().prober()
     several = isinstance(budget, (list, tuple))
     budgets = [parse_budget(b) for b in (budget if several else [budget])]
     if not budgets:

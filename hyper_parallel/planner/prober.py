@@ -1,12 +1,11 @@
 """What the planner asks of a framework: the ``Prober`` protocol.
 
-The planner's core (options, cost model, solver, plans) imports no framework; one prober per
-framework supplies the rest, and the public API module binds the one of the selected framework
-(``hyper_parallel.planner.set_prober``), as it binds the engine's backend.
-``hyper_parallel.planner.torch_prober.TorchProber`` is PyTorch's,
-``hyper_parallel.planner.mindspore_prober.MindSporeProber`` MindSpore's (PyNative). Both are
-``hyper_parallel.planner.probing.ChainProber`` s: the algorithm is written once there, and each
-implements only its framework's primitives.
+The planner's core (options, cost model, solver, plans) imports no framework; the framework's
+backend supplies the rest: ``Backend.prober()`` (the one seam per framework; the planner asks
+``active_backend().prober()``). ``hyper_parallel.backends.torch.prober.TorchProber`` is
+PyTorch's, ``hyper_parallel.backends.mindspore.prober.MindSporeProber`` MindSpore's (PyNative).
+Both are ``hyper_parallel.planner.probing.ChainProber`` s: the algorithm is written once there,
+and each implements only its framework's primitives.
 """
 
 from __future__ import annotations
@@ -90,7 +89,7 @@ class Prober(Protocol):
 
     def pipeline(self, schedule: Any) -> Any:
         """What ``plan_pipeline`` reads of a pipeline schedule and runs of it (PyTorch:
-        ``torch_pipeline.TorchPipeline``): its stages here, its action order, one step, a
+        ``backends/torch/pipeline_schedule.TorchPipeline``): its stages here, its action order, one step, a
         micro-batch step through a stage; a clear error where the framework has none."""
         ...
 

@@ -5,14 +5,17 @@ Profiling calls the user's step twice and every probe runs copies of a layer; no
 change the program: every tensor that existed before the run and that it writes in place
 (BatchNorm statistics, a gradient accumulator, a tensor outside the layer that a hook writes) is
 copied to the host before the first write, once per storage, and copied back afterwards, and the
-random number generators are put back. A framework's prober says how (the abstract methods);
-this module imports no framework.
+random number generators are put back (the backend's ``rng_state(None)``: every generator).
+A framework's prober says how to copy tensors (the abstract methods); this module imports no
+framework.
 """
 
 from __future__ import annotations
 
 import abc
 from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from hyper_parallel.core.backend import Backend
 
 __all__ = ["StepState"]
 
@@ -21,7 +24,8 @@ class StepState(abc.ABC):
     """The host copies of the tensors a run writes (``written``: storage -> (tensor, host copy))
     and the generators' state, put back by :meth:`restore`."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
         self.written: Dict[Any, Tuple[Any, Any]] = {}
         self._rng: Any = None
         self._objects: List[Tuple[Any, Any]] = []  # (object, snapshot of its attributes)
@@ -39,14 +43,6 @@ class StepState(abc.ABC):
     def _write_back(self, written: Iterable[Tuple[Any, Any]]) -> None:
         """Copy every ``(tensor, host copy)`` back into its tensor, unseen by autograd."""
 
-    @abc.abstractmethod
-    def _rng_state(self) -> Any:
-        """The generators' state now (``None``: none to put back)."""
-
-    @abc.abstractmethod
-    def _set_rng_state(self, state: Any) -> None:
-        """Put the generators back to ``state``."""
-
     # -- the algorithm
     def keep(self, t: Any) -> None:
         """Copy ``t`` to the host before the run writes it (once per storage)."""
@@ -55,7 +51,7 @@ class StepState(abc.ABC):
             self.written[key] = (t, self._host_copy(t))
 
     def save_rng(self) -> None:
-        self._rng = self._rng_state()
+        self._rng = self._backend.rng_state(None)
 
     def keep_object(self, obj: Any) -> None:
         """Put ``obj``'s attributes back after the run as they are now: an optimizer's state (its
@@ -67,7 +63,7 @@ class StepState(abc.ABC):
 
     def again(self) -> "StepState":
         """A state that snapshots the same tensors and objects now, for another call of the step."""
-        other = type(self)()
+        other = type(self)(self._backend)
         for t, _ in self.written.values():
             other.keep(t)
         for obj, _ in self._objects:
@@ -79,7 +75,7 @@ class StepState(abc.ABC):
         for _, snapshot in self._objects:
             _put_back(snapshot)
         if self._rng is not None:
-            self._set_rng_state(self._rng)
+            self._backend.set_rng_state(self._rng)
 
 
 def _snapshot(value: Any) -> Tuple[Any, ...]:

@@ -65,6 +65,7 @@ import hyper_parallel.core.activation_checkpoint  # noqa: F401  (binds the frame
 from hyper_parallel.backends.torch.backend import HOST, TorchBackend
 from hyper_parallel.core.backend import use_backend
 from hyper_parallel.core.swap_manager import SwapManager
+from hyper_parallel.tools.memory import mark_host
 
 from . import _shim
 
@@ -417,6 +418,7 @@ class SimDevice(TorchBackend):
         with self._lock:
             with self._quiet(visible=True):
                 t = torch.empty(nbytes, dtype=torch.uint8)
+            mark_host(t)  # (host memory, as the backend's: a CPU memory meter never counts it)
             with self._quiet():
                 t.fill_(POISON_BYTE)
             info = self._register(t, HOST, None)

@@ -16,9 +16,9 @@ Two ways of measuring, chosen by the meter's device:
   its bytes again when the storage dies.
 
 Host buffers owned by the library (swap copies) live on the CPU too; on the CPU meter
-they would be indistinguishable from "device" memory. The meter is a tool outside the engine:
-it subscribes to the engine's host buffers (``hyper_parallel.core.host_pool.on_host_buffer``)
-and marks them with :func:`mark_host`, which any other code may call for its own host buffers.
+they would be indistinguishable from "device" memory: the PyTorch backend marks every host
+buffer it allocates for the engine (``empty_host_bytes``) with :func:`mark_host`, which any other
+code may call for its own host buffers. Importing this module registers nothing.
 
 Example::
 
@@ -46,7 +46,6 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_flatten
 
-from hyper_parallel.core.host_pool import on_host_buffer
 from hyper_parallel.tools.gc_pause import live_objects
 
 __all__ = ["MemoryMeter", "mark_host", "is_host_storage"]
@@ -688,4 +687,3 @@ class MemoryMeter:
 
 
 # The swap engine's host copies are host memory, never device memory.
-on_host_buffer(mark_host)

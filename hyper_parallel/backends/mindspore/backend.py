@@ -31,9 +31,10 @@ from hyper_parallel.core.policy import CheckpointPolicy
 from hyper_parallel.core.region_state import AroundMode
 
 from . import _shim
+from .op_classes import MACHINERY_OPS, is_legacy_primitive_call, is_mutating_op, is_random_op, op_name
+from .prober import HOST_MARKS, MindSporeProber
 
-__all__ = ["MindSporeBackend", "ViewMeta", "device_kind", "op_name", "is_random_op", "is_mutating_op",
-           "is_legacy_primitive_call", "RANDOM_OP_NAMES", "pipeline_swap", "pipeline_recompute"]
+__all__ = ["MindSporeBackend", "ViewMeta", "device_kind", "pipeline_swap", "pipeline_recompute"]
 
 _ACCELERATORS = ("Ascend", "GPU")
 
@@ -57,49 +58,6 @@ def device_kind(t: Tensor) -> str:
     if low in ("gpu", "cuda"):
         return "GPU"
     return name
-
-
-# ------------------------------------------------------------------------------------- op classes
-def op_name(op: Any) -> str:
-    """The name of an op as the policy sees it: ``OpFunc.name`` / ``Primitive.name`` / a string /
-    a ``Primitive`` subclass (its class name)."""
-    if isinstance(op, str):
-        return op
-    if isinstance(op, type):
-        return op.__name__
-    name = getattr(op, "name", None)
-    if isinstance(name, str):
-        return name
-    raise TypeError(f"cannot name op {op!r} ({type(op).__name__}); use its primitive name, e.g. 'MatMul'.")
-
-
-_MACHINERY_OPS = frozenset({"StopGradient"})
-_MUTATING_NAMES = frozenset({"Assign", "AssignAdd", "AssignSub", "ScatterUpdate", "ScatterAdd", "ScatterSub",
-                             "ScatterMul", "ScatterDiv", "ScatterMax", "ScatterMin", "ScatterNdUpdate",
-                             "ScatterNdAdd", "ScatterNdSub", "TensorScatterUpdate", "Load", "UpdateState"})
-#: Names (lower case) of ops that draw random numbers; extend it for custom random ops.
-RANDOM_OP_NAMES = {"gamma", "randomgamma", "standardnormal", "standardlaplace", "truncatednormal",
-                   "lognormalreverse", "parameterizedtruncatednormal", "randomstandardnormal",
-                   "randomcategorical", "randomchoicewithmask", "randomshuffle", "randperm", "randpermv2",
-                   "randpermext"}
-_RANDOM_WORDS = ("dropout", "rand", "uniform", "bernoulli", "multinomial", "poisson")
-
-
-def is_mutating_op(name: str) -> bool:
-    return name.startswith("Inplace") or name in _MUTATING_NAMES
-
-
-def is_legacy_primitive_call(args: Tuple[Any, ...]) -> bool:
-    """Whether a dispatch mode received a legacy-primitive call (``Primitive.__call__`` ->
-    ``run_op_async``): its arguments are ``(primitive, name, inputs)``."""
-    return len(args) == 3 and isinstance(args[0], Primitive) and isinstance(args[1], str) \
-        and isinstance(args[2], tuple)
-
-
-def is_random_op(name: str) -> bool:
-    low = name.lower()
-    return low in RANDOM_OP_NAMES or any(w in low for w in _RANDOM_WORDS) or \
-        (low.startswith("normal") and not low.startswith("normalize"))
 
 
 class _MstxRange:
@@ -171,6 +129,7 @@ class MindSporeBackend(Backend):
         self.device_target: str = target
         self.accelerator: Optional[str] = target if target in _ACCELERATORS else None
         self._kinds: Dict[str, OpKind] = {}
+        self._prober: Optional[MindSporeProber] = None
 
     # ------------------------------------------------------------------ tensors
     def is_tensor(self, x: Any) -> bool:
@@ -281,7 +240,9 @@ class MindSporeBackend(Backend):
 
     def empty_host_bytes(self, nbytes: int) -> Tensor:
         with _shim.internal():
-            return mint.empty(nbytes, dtype=ms.uint8, device="CPU", pin_memory=self.accelerator is not None)
+            buf = mint.empty(nbytes, dtype=ms.uint8, device="CPU", pin_memory=self.accelerator is not None)
+        HOST_MARKS.mark(buf)  # (host memory: the CPU meter never counts it as device memory)
+        return buf
 
     def copy_bytes(self, dst: Tensor, src: Tensor, dst_offset: int = 0) -> None:
         if dst_offset:
@@ -329,15 +290,22 @@ class MindSporeBackend(Backend):
         return _MstxRange(name) if self.accelerator == "Ascend" else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ random numbers
-    # rng_replayable is False: random ops are always kept, so the engine never snapshots the RNG.
-    def rng_state(self, args: Sequence[Any]) -> Any:
-        return None
+    # The default generator, what the generator-based random ops draw from, for every ``args``
+    # (the legacy random primitives keep their state in their kernels: nothing can rewind them).
+    # rng_replayable is False: random ops are always kept, so the engine never snapshots the RNG;
+    # the planner puts the generator back after each run of a step.
+    def rng_state(self, args: Optional[Sequence[Any]]) -> Any:
+        try:
+            return ms.get_rng_state()
+        except Exception:  # pragma: no cover - a MindSpore without a default generator
+            return None
 
     def rng_equal(self, a: Any, b: Any) -> bool:
-        return True
+        return a is b or (a is not None and b is not None and bool((a == b).all()))
 
     def set_rng_state(self, state: Any) -> None:
-        return None
+        if state is not None:
+            ms.set_rng_state(state)
 
     # ------------------------------------------------------------------ autograd
     def grad_recording(self) -> bool:
@@ -392,7 +360,7 @@ class MindSporeBackend(Backend):
         name = op.name
         kind = self._kinds.get(name)
         if kind is None:
-            if name in _MACHINERY_OPS:
+            if name in MACHINERY_OPS:
                 kind = OpKind.MACHINERY
             elif is_mutating_op(name):
                 kind = OpKind.MUTATING
@@ -482,6 +450,12 @@ class MindSporeBackend(Backend):
 
     def register_grad_hook(self, t: Tensor, fn: Callable[[Any], None]) -> None:
         t.register_hook(fn)
+
+    # ------------------------------------------------------------------ the planner
+    def prober(self) -> MindSporeProber:
+        if self._prober is None:
+            self._prober = MindSporeProber(self)
+        return self._prober
 
 
 def pipeline_swap(schedule: Any, prefetch: int = 1, prefix: str = "pp", measure: bool = False) -> Any:

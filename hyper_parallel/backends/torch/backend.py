@@ -23,8 +23,10 @@ from hyper_parallel.core.keep_reason import KeepReason
 from hyper_parallel.core.policy import CheckpointPolicy, normalize_policy
 from hyper_parallel.core.region_state import AroundMode
 from hyper_parallel.integrations.transformers import family_of as hf_family_of
+from hyper_parallel.tools.memory import mark_host
 
 from . import _shim
+from .prober import TorchProber
 
 __all__ = ["TorchBackend", "ViewMeta", "HOST", "not_byte_copyable"]
 
@@ -180,6 +182,7 @@ class TorchBackend(Backend):
         self._dm = torch.get_device_module(acc.type) if acc is not None else None
         self._written: Dict[Any, Tuple[Tuple[int, str], ...]] = {}
         self._kinds: Dict[Any, OpKind] = {}
+        self._prober: Optional[TorchProber] = None
 
     # ------------------------------------------------------------------ tensors
     def is_tensor(self, x: Any) -> bool:
@@ -254,8 +257,11 @@ class TorchBackend(Backend):
         return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
 
     def empty_host_bytes(self, nbytes: int) -> torch.Tensor:
-        # Pinned memory makes D2H/H2D truly asynchronous; a CPU-only build has none.
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.accelerator is not None)
+        # Pinned memory makes D2H/H2D truly asynchronous; a CPU-only build has none. Marked as host
+        # memory: a CPU memory meter never counts it as device memory.
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.accelerator is not None)
+        mark_host(buf)
+        return buf
 
     def host_alloc_size(self, nbytes: int) -> int:
         # PyTorch's caching host allocator reserves the next power of two for a pinned request
@@ -312,8 +318,12 @@ class TorchBackend(Backend):
     trace_range = staticmethod(_shim.trace_range)  # (opened several times per layer)
 
     # ------------------------------------------------------------------ random numbers
-    def rng_state(self, args: Sequence[Any]) -> Any:
-        devices = {t.device for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
+    def rng_state(self, args: Optional[Sequence[Any]]) -> Any:
+        if args is None:  # (every generator: the CPU's and every device's of the accelerator)
+            devices = {torch.device(self.accelerator.type, i) for i in range(self._dm.device_count())} \
+                if self._dm is not None else set()
+        else:
+            devices = {t.device for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
         state: List[Tuple[Optional[torch.device], torch.Tensor]] = [(None, torch.get_rng_state())]
         for device in devices:
             module = torch.get_device_module(device.type)
@@ -497,3 +507,9 @@ class TorchBackend(Backend):
 
     def register_grad_hook(self, t: torch.Tensor, fn: Callable[[Any], None]) -> None:
         t.register_hook(fn)
+
+    # ------------------------------------------------------------------ the planner
+    def prober(self) -> TorchProber:
+        if self._prober is None:
+            self._prober = TorchProber(self)
+        return self._prober

@@ -40,11 +40,9 @@ def selected_platform() -> str:
 if selected_platform() == "mindspore":
     from hyper_parallel.backends.mindspore.backend import MindSporeBackend as _SelectedBackend
     from hyper_parallel.backends.mindspore.backend import pipeline_recompute, pipeline_swap
-    from hyper_parallel.planner.mindspore_prober import MindSporeProber as _SelectedProber
 else:
     from hyper_parallel.backends.torch.backend import TorchBackend as _SelectedBackend
     from hyper_parallel.backends.torch.pipeline import pipeline_recompute, pipeline_swap
-    from hyper_parallel.planner.torch_prober import TorchProber as _SelectedProber
 
 set_backend(_SelectedBackend())
 
@@ -56,9 +54,7 @@ from hyper_parallel.core.swap_manager import SwapManager  # noqa: E402
 from hyper_parallel.core.wrapping import (checkpoint_exclude_wrapper, checkpoint_wrapper,  # noqa: E402
                                           swap_wrapper, wrap_layers)
 from hyper_parallel.planner import (MemoryPlan, PipelinePlan, pipeline_in_flight, plan_memory,  # noqa: E402
-                                    plan_pipeline, set_prober)
-
-set_prober(_SelectedProber())
+                                    plan_pipeline)
 
 __all__ = [
     "CheckpointPolicy",

@@ -28,18 +28,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from hyper_parallel.backends.torch._shim import is_sharded, unsharded_copy, untyped_storage_key
-from hyper_parallel.backends.torch.backend import TorchBackend
+from hyper_parallel.core.backend import Backend
 from hyper_parallel.integrations import find_layer_stack
+from hyper_parallel.planner.options import OpKey
+from hyper_parallel.planner.probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
+from hyper_parallel.planner.step_state import StepState
 from hyper_parallel.tools.clock import no_gc, step_clock
 from hyper_parallel.tools.gc_pause import live_objects
 from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, local_tensors, mark_host
 
-from .options import OpKey
-from .probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
-from .step_state import StepState
-from .torch_distributed import collectives_for
-from .torch_pipeline import TorchPipeline
+from ._shim import in_backward, is_sharded, storage_key, unsharded_copy, untyped_storage_key
+from .collectives import collectives_for
+from .pipeline_schedule import TorchPipeline
 
 __all__ = ["TorchProber", "EXPENSIVE_OPS"]
 
@@ -52,17 +52,13 @@ EXPENSIVE_OPS = frozenset(str(op) for op in (
     _aten._scaled_dot_product_flash_attention_for_cpu.default, _aten.convolution.default,
 ))
 
-_BACKEND = TorchBackend()
-_storage_key = _BACKEND.storage_id  # the engine's storage identity
-_in_backward = _BACKEND.in_backward
-
 
 class _StepState(StepState):
     """What a step changes, put back afterwards (see the module docstring): beside the tensors it
     writes and the generators, the ``.grad`` of every leaf it reaches (``leaves``)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, backend: Backend) -> None:
+        super().__init__(backend)
         self.leaves: Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}  # id -> (leaf, its .grad)
 
     def see_leaf(self, t: torch.Tensor) -> None:
@@ -84,7 +80,7 @@ class _StepState(StepState):
 
     def restore_gradients(self) -> None:
         """Put back the ``.grad`` of every leaf seen, and their values (accumulated into in place)."""
-        grads = {_storage_key(g) for _, g in self.leaves.values() if g is not None and _backed(g)}
+        grads = {storage_key(g) for _, g in self.leaves.values() if g is not None and _backed(g)}
         self._write_back(v for k, v in self.written.items() if k in grads)
         for leaf, grad in self.leaves.values():
             leaf.grad = grad
@@ -92,7 +88,7 @@ class _StepState(StepState):
     def _storage_of(self, t: torch.Tensor) -> Optional[int]:
         # (a tensor whose storage its owner freed, FSDP2's all-gather buffers resized to zero
         # bytes between uses, holds nothing to put back)
-        return _storage_key(t) if _backed(t) else None
+        return storage_key(t) if _backed(t) else None
 
     def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
         host = t.detach().to("cpu", copy=True)
@@ -104,17 +100,6 @@ class _StepState(StepState):
             for t, host in written:
                 if _backed(t):  # (freed by its owner meanwhile, FSDP2's resharding: its content is the owner's)
                     t.copy_(host)
-
-    def _rng_state(self) -> Any:
-        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        dm = torch.get_device_module(acc.type) if acc is not None else None
-        return torch.get_rng_state(), dm.get_rng_state_all() if dm is not None else None, dm
-
-    def _set_rng_state(self, state: Any) -> None:
-        cpu, acc, dm = state
-        torch.set_rng_state(cpu)
-        if acc is not None:
-            dm.set_rng_state_all(acc)
 
 
 class _Recorder(TorchDispatchMode):
@@ -148,29 +133,29 @@ class _Recorder(TorchDispatchMode):
         inputs = set()
         # (below autograd, a backward kernel's saved tensors look like leaves requiring grad:
         # only the forward's leaves are the parameters and inputs whose .grad the step writes)
-        forward = not _in_backward()
+        forward = not in_backward()
         for arg in tree_leaves((args, kwargs)):
             if not (isinstance(arg, torch.Tensor) and arg.layout is torch.strided and not arg.is_meta):
                 continue
             for t in local_tensors(arg):  # (a DTensor reaches its local shard)
-                key = _storage_key(t)
+                key = storage_key(t)
                 inputs.add(key)
                 if key not in self.created and key not in self.reached and not is_host_storage(t):
                     self.reached[key] = t.untyped_storage().nbytes()
             if forward and arg.requires_grad and arg.is_leaf:
                 self.state.see_leaf(arg)
                 for t in local_tensors(arg):
-                    self.grad_leaves[_storage_key(t)] = t.untyped_storage().nbytes()
+                    self.grad_leaves[storage_key(t)] = t.untyped_storage().nbytes()
         written = self.written(func, args, kwargs)  # (declared or not: BatchNorm's statistics)
         mutating = bool(written)
         for t in written:
-            if t.layout is torch.strided and _storage_key(t) not in self.created:
+            if t.layout is torch.strided and storage_key(t) not in self.created:
                 self.state.keep(t)
         out = func(*args, **kwargs)
         new_bytes, made = 0, []
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.layout is torch.strided and not t.is_meta:
-                key = _storage_key(t)
+                key = storage_key(t)
                 if key not in inputs and key not in made:
                     storage = t.untyped_storage()
                     self._made(key, storage)
@@ -189,8 +174,8 @@ class TorchProber(ChainProber):
     name = "torch"
     tensor_type = torch.Tensor
 
-    def __init__(self) -> None:
-        self._backend = _BACKEND
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
         self._labels: Dict[Any, str] = {}
         self._session: Optional[Tuple[List[torch.nn.Parameter], List[Any]]] = None  # (see _watched_state)
 
@@ -276,7 +261,7 @@ class TorchProber(ChainProber):
     @staticmethod
     def collectives(group: Any) -> Any:
         """The ``torch.distributed`` collectives of ``plan_memory(..., group=group)``, or ``None``
-        to plan alone (``torch_distributed.collectives_for``)."""
+        to plan alone (``collectives.collectives_for``)."""
         return collectives_for(group)
 
     def _watched_state(self, collect: int = 1) -> _StepState:
@@ -284,7 +269,7 @@ class TorchProber(ChainProber):
         (FSDP2 sets its sharded parameters' ``.grad`` itself: no op of the step names them), and
         every optimizer, learning-rate scheduler and gradient scaler kept as it is (a step may
         step them: their lazily created state and counters go back afterwards)."""
-        state = _StepState()
+        state = _StepState(self._backend)
         state.save_rng()
         # (garbage in reference cycles would count as live memory, and its parameters as the step's;
         # the old generation is collected once, when planning starts: what planning leaves is young)
@@ -340,7 +325,7 @@ class TorchProber(ChainProber):
 
     # ------------------------------------------------------------------ autograd
     def _in_backward(self) -> bool:
-        return _in_backward()
+        return in_backward()
 
     def _grad_outputs(self, out: Any) -> List[torch.Tensor]:
         return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -358,7 +343,7 @@ class TorchProber(ChainProber):
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             if log.layer is not None and t.layout is torch.strided and not t.is_meta:
-                log.save(_storage_key(t), t.untyped_storage().nbytes())
+                log.save(storage_key(t), t.untyped_storage().nbytes())
             return t.detach()  # what autograd would keep: an alias of the same storage
 
         # On a CPU the step's memory is every live storage (the meter counts them all) but those it
@@ -378,7 +363,7 @@ class TorchProber(ChainProber):
             segment.start += before
             segment.peak += before
         # (what the step owns: the parameters it reached, the gradients of the leaves its forward used)
-        parameters = {_storage_key(t) for leaf, _ in state.leaves.values() if isinstance(leaf, torch.nn.Parameter)
+        parameters = {storage_key(t) for leaf, _ in state.leaves.values() if isinstance(leaf, torch.nn.Parameter)
                       for t in local_tensors(leaf)}
         params = sum(n for key, n in recorder.reached.items() if key in parameters)
         return StepTrace(segments, log, meter.baseline_bytes + before, meter.peak_bytes + before,
@@ -394,17 +379,17 @@ class TorchProber(ChainProber):
         and every tensor outside the probe's copies that it wrote in place (a hook of the layer using
         a module of the model, e.g. a BatchNorm's statistics). ``watch``: find those tensors with a
         dispatch mode (for runs whose time does not count); else restore the ones found before."""
-        state = _StepState()
+        state = _StepState(self._backend)
         state.save_rng()
         for t in source.outside:
             state.keep(t)
-        recorder = _Recorder(state, self.key_of, _BACKEND.written_tensors) if watch else contextlib.nullcontext()
+        recorder = _Recorder(state, self.key_of, self._backend.written_tensors) if watch else contextlib.nullcontext()
         try:
             with recorder:
                 yield state
         finally:
             if watch:  # (the copies' own tensors are made afresh for every run: nothing to put back)
-                own = {_storage_key(t) for layer in copies for t in [*layer.parameters(), *layer.buffers()]}
+                own = {storage_key(t) for layer in copies for t in [*layer.parameters(), *layer.buffers()]}
                 found = [t for key, (t, _) in state.written.items() if key not in own]
                 source.outside = list({id(t): t for t in [*source.outside, *found]}.values())
             state.restore()
@@ -573,11 +558,11 @@ def _unrelated_bytes(recorder: _Recorder) -> int:
     children = {id(c) for m in modules for c in m._modules.values() if c is not None}
     used = recorder.reached.keys() | recorder.created.keys()
     for root in (m for m in modules if id(m) not in children):
-        keys = {_storage_key(t) for p in [*root.parameters(), *root.buffers()] for t in local_tensors(p)}
+        keys = {storage_key(t) for p in [*root.parameters(), *root.buffers()] for t in local_tensors(p)}
         if keys & used:
             seen |= keys  # (the model's own: not unrelated)
     found = [(untyped_storage_key(s), s) for s in storages]
-    found += [(_storage_key(t), t.untyped_storage()) for obj in tensors if obj.layout is torch.strided
+    found += [(storage_key(t), t.untyped_storage()) for obj in tensors if obj.layout is torch.strided
               for t in local_tensors(obj)]
     for key, storage in found:
         if storage.device.type != "cpu" or key in seen or key in recorder.created or key in recorder.reached \

@@ -27,11 +27,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from hyper_parallel.backends.torch import _shim
+from hyper_parallel.planner.pipeline import gpipe_actions, one_f_one_b_actions
 from hyper_parallel.tools.memory import mark_host
 
-from .pipeline import gpipe_actions, one_f_one_b_actions
-from .torch_distributed import TorchCollectives
+from . import _shim
+from .collectives import TorchCollectives
 
 __all__ = ["TorchPipeline", "StageView"]
 

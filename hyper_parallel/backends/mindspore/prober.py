@@ -80,29 +80,20 @@ from mindspore import Tensor, nn, ops
 from mindspore.ops import Primitive
 from mindspore.utils import MsDispatchMode
 
-from hyper_parallel.backends.mindspore import _shim
-from hyper_parallel.backends.mindspore.backend import (MindSporeBackend, is_legacy_primitive_call, is_random_op,
-                                                       op_name)
-from hyper_parallel.core.backend import active_backend
-from hyper_parallel.core.host_pool import on_host_buffer
+from hyper_parallel.core.backend import Backend, active_backend
+from hyper_parallel.planner.options import OpKey
+from hyper_parallel.planner.probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
+from hyper_parallel.planner.step_state import StepState
 
-from .options import OpKey
-from .probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
-from .step_state import StepState
+from . import _shim
+from .op_classes import is_legacy_primitive_call, is_random_op, op_name
 
-__all__ = ["MindSporeProber", "LiveTensorMeter", "AllocatorMeter", "EXPENSIVE_OPS", "memory_meter"]
+__all__ = ["MindSporeProber", "LiveTensorMeter", "AllocatorMeter", "EXPENSIVE_OPS", "memory_meter", "HOST_MARKS"]
 
 #: Ops whose outputs the fixed recipes save or swap (matmuls, attention kernels, convolutions).
 EXPENSIVE_OPS = frozenset({"MatMul", "MatMulExt", "BatchMatMul", "BatchMatMulExt", "Dense", "Baddbmm",
                            "FlashAttentionScore", "Conv2D", "Conv2DExt", "Convolution"})
 _ACCELERATORS = ("Ascend", "GPU")
-
-
-def _backend() -> MindSporeBackend:
-    backend = active_backend()
-    if not isinstance(backend, MindSporeBackend):
-        raise RuntimeError("the MindSpore prober needs the MindSpore backend (HYPER_PARALLEL_PLATFORM=mindspore)")
-    return backend
 
 
 def _accelerator() -> Optional[str]:
@@ -217,8 +208,8 @@ class _HostMarks:
         return ptr in self._count
 
 
-_HOST = _HostMarks()
-on_host_buffer(_HOST.mark)  # (every host buffer the swap engine holds now and allocates from now on)
+#: The host buffers the backend allocates for the engine (``MindSporeBackend.empty_host_bytes`` marks them).
+HOST_MARKS = _HostMarks()
 
 
 # ----------------------------------------------------------------------------------- memory meters
@@ -330,7 +321,7 @@ class LiveTensorMeter:
         if ref is not None and ref() is t:
             return
         ptr = _address(t)
-        if ptr is None or ptr in _HOST:
+        if ptr is None or ptr in HOST_MARKS:
             return
         if ptr in self._before:
             if not fresh:
@@ -483,14 +474,6 @@ class _StepState(StepState):
             for t, host in written:
                 t.copy_(Tensor(host, dtype=t.dtype))
 
-    def _rng_state(self) -> Any:
-        try:
-            return ms.get_rng_state()
-        except Exception:  # pragma: no cover - a MindSpore without a default generator
-            return None
-
-    def _set_rng_state(self, state: Any) -> None:
-        ms.set_rng_state(state)
 
 
 def _side_effect_args(args: Tuple[Any, ...]) -> List[Tensor]:
@@ -547,7 +530,7 @@ class _TraceMode(_PipelineOffMode):
         inputs = list(_tensors(args)) + list(_tensors(kwargs.values()))
         written: List[Tensor] = []
         if state is not None or self.recorder is not None:
-            written = list(_backend().written_tensors(func, args, kwargs)) + _side_effect_args(args)
+            written = list(active_backend().written_tensors(func, args, kwargs)) + _side_effect_args(args)
             if state is not None and live is not None:
                 for t in written:  # (what existed before; what the step made is its own)
                     ptr = _address(t)
@@ -586,7 +569,7 @@ class _SavedHooks:
     def pack(self, t: Any) -> Any:
         if not isinstance(t, Tensor):
             return t
-        alias = _backend().alias(t)
+        alias = active_backend().alias(t)
         if self.live is not None:
             self.live.see(alias)
         if self.recorder is not None:
@@ -623,7 +606,7 @@ class _Recorder:
         live.on_death(log.forget)  # (an address is reused once it died)
 
     def op(self, func: Any, args: Tuple[Any, ...], inputs: List[Tensor], made: Dict[int, int], mutating: bool) -> None:
-        forward = not _backend().in_backward()
+        forward = not active_backend().in_backward()
         if forward:  # (a trainable parameter the step reaches: its gradient feeds the meter)
             for t in inputs:
                 ptr = _address(t)
@@ -658,6 +641,9 @@ class MindSporeProber(ChainProber):
     name = "mindspore"
     tensor_type = Tensor
     step_hint = " (mindspore.value_and_grad / grad / vjp with its backward)"
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
 
     # ------------------------------------------------------------------ names and sizes
     @staticmethod
@@ -752,7 +738,7 @@ class MindSporeProber(ChainProber):
     def copy_bandwidth(nbytes: int = 16 << 20) -> float:
         """Bytes per second of one direction of a host <-> device copy (into the engine's kind of
         host buffer: pinned on an accelerator; a memory copy on a CPU), the faster of three."""
-        backend = _backend()
+        backend = active_backend()
         with _shim.internal():
             src = ops.zeros((nbytes,), ms.uint8)
             dst = backend.empty_host_bytes(nbytes)
@@ -767,11 +753,10 @@ class MindSporeProber(ChainProber):
 
     # ------------------------------------------------------------------ autograd
     def _in_backward(self) -> bool:
-        return _backend().in_backward()
+        return self._backend.in_backward()
 
     def _grad_outputs(self, out: Any) -> List[Tensor]:
-        backend = _backend()
-        return [t for t in _outputs(out) if backend.requires_grad(t)]
+        return [t for t in _outputs(out) if self._backend.requires_grad(t)]
 
     def _clear_grads(self, layers: Sequence[nn.Cell]) -> None:
         """Nothing: MindSpore returns gradients and keeps none on the parameters."""
@@ -785,9 +770,9 @@ class MindSporeProber(ChainProber):
         return self._instrumented(list(layers), step_fn, self.device()).peak_bytes
 
     def _instrumented(self, layers: Sequence[nn.Cell], step_fn: Callable[[], Any], device: Any) -> StepTrace:
-        _backend().check_ready("plan_memory")  # (PyNative only: profiling and measure_step run the step here first)
+        self._backend.check_ready("plan_memory")  # (PyNative only: profiling and measure_step run the step here first)
         cpu = _accelerator() is None
-        state = _StepState()
+        state = _StepState(self._backend)
         state.save_rng()
         optimizer_state = _keep_optimizers(state)
         log = self._layer_log()
@@ -833,7 +818,7 @@ class MindSporeProber(ChainProber):
         outside the probe's copies that it writes in place (a hook of the layer that uses a cell of
         the model). ``watch``: find those tensors with the trace mode, which a live-tensor meter
         tells what existed before (legacy random primitives run shielded there)."""
-        state = _StepState()
+        state = _StepState(self._backend)
         state.save_rng()
         for t in source.outside:
             state.keep(t)
@@ -872,7 +857,7 @@ class MindSporeProber(ChainProber):
         """The block runs with one ``step_fn()`` done first, as in the middle of training; what that
         call changed (parameters, the optimizers' state, which their compiled graphs update unseen
         by any dispatch mode, the generator) is put back after the block."""
-        state = _StepState()
+        state = _StepState(self._backend)
         state.save_rng()
         _keep_optimizers(state)
         try:
