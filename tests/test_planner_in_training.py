@@ -17,7 +17,8 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")
 
 from hyper_parallel.core.activation_checkpoint import MemoryPlan, SwapManager, plan_memory  # noqa: E402
-from hyper_parallel.planner import active_prober  # noqa: E402
+from hyper_parallel.core.backend import active_backend  # noqa: E402
+from hyper_parallel.planner import Planner  # noqa: E402
 from hyper_parallel.planner.planning import make_plan  # noqa: E402
 from hyper_parallel.tools.memory import MemoryMeter  # noqa: E402
 from hyper_parallel.bench.hf_models import FAMILIES, batch, build, loss  # noqa: E402
@@ -49,7 +50,7 @@ def _plans_across(model, step, fractions):
         budgets = [int(low + (high - low) * f) for f in fractions]
         return [planner.plan(b, measure=measure) for b in budgets]
 
-    return [(plan.budget_bytes, plan) for plan in make_plan(model, step, answer, prober=active_prober())]
+    return [(plan.budget_bytes, plan) for plan in make_plan(model, step, answer, prober=active_backend().prober())]
 
 
 # ---------------------------------------------------------------------------- every family
@@ -218,9 +219,6 @@ def test_times_within_noise_of_each_other_do_not_change_the_plan():
     """The choice rests on the options' times grouped within noise (``Planner.seconds``): moving
     every measured time by a twentieth of its tolerance (less than the noise its probes showed)
     gives the same plan; and the same step planned twice gives the same plan."""
-    from hyper_parallel.core.backend import active_backend
-    from hyper_parallel.planner import Planner
-
     base = build("llama", layers=3, hidden=32)
     ids = batch("llama", batch=2, seq=32, seed=1)
     prober = active_backend().prober()
