@@ -124,25 +124,33 @@ def test_the_predicted_step_time_on_a_calibrated_cpu_is_within_20_percent_of_the
     seq, batch = 256, 2
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    model = build_model(config, 4, torch.float32, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 4000, (batch, seq))
+    clock = step_clock("cpu")
+
+    def step_seconds():
+        with no_gc():
+            t0 = clock()
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return clock() - t0
+
+    ratios = []
     try:
-        here = calibrate_this_machine("cpu")
-        answer = _plan(config, "none", seq=seq, batch=batch, optimizer="sgd", tgt=here)
-        model = build_model(config, 4, torch.float32, "cpu")
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        ids = torch.randint(0, 4000, (batch, seq))
-        clock = step_clock("cpu")
-        times = []
-        for _ in range(4):
-            with no_gc():
-                t0 = clock()
-                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                times.append(clock() - t0)
+        step_seconds()
+        # (a 2-core machine shared with other work: calibration and step alternate, three times, and
+        # the median ratio is taken, so that a slow stretch does not land on one side only)
+        for _ in range(3):
+            here = calibrate_this_machine("cpu")
+            predicted = _plan(config, "none", seq=seq, batch=batch, optimizer="sgd", tgt=here)["step_s"]
+            measured = min(step_seconds() for _ in range(2))
+            ratios.append(predicted / measured)
+            print(f"predicted {predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms ({100 * (ratios[-1] - 1):+.1f}%)")
     finally:
         torch.set_num_threads(threads)
-    measured = min(times[1:])
-    assert answer["step_s"] == pytest.approx(measured, rel=0.2), (answer["step_s"], measured)
+    assert sorted(ratios)[1] == pytest.approx(1.0, abs=0.2), ratios
 
 
 # ------------------------------------------------------------------ (c) scale

@@ -177,6 +177,8 @@ class StepTrace:
     dtype: torch.dtype
     notes: List[str]
     bytes_only: Dict[str, int]
+    #: the width of the hidden states a layer passes on (its output: what a swapped layer keeps)
+    hidden: int = 0
 
     def layer(self, i: int) -> Tuple[Phase, Phase]:
         """The forward and backward phases standing for the real model's layer ``i``: the traced
@@ -321,7 +323,8 @@ def trace_step(config: Dict[str, Any], *, seq: int, batch: int, dtype: torch.dty
     head_params = ([] if tied or head is None else _numels(head)) + (_numels(norm) if norm is not None else [])
     return StepTrace(option=option, phases=dict(mode.phases), kinds=kinds, traced=len(layers),
                      layer_params=[_numels(layer) for layer in layers], embed_params=_numels(embed),
-                     head_params=head_params, dtype=dtype, notes=notes, bytes_only=dict(mode.log.bytes_only))
+                     head_params=head_params, dtype=dtype, notes=notes, bytes_only=dict(mode.log.bytes_only),
+                     hidden=int(getattr(model.config, "hidden_size", 0) or 0))
 
 
 def trace_optimizer(numels: Sequence[int], dtype: torch.dtype, optimizer: str,

@@ -181,13 +181,19 @@ class StepModel:
         self.layers = len(self.kinds)
         self._costs: Dict[Tuple[str, int], LayerCost] = {}
         self._priced: Dict[Tuple[str, str], Seconds] = {}
+        self._memo: Dict[Any, Any] = {}
         self.opt_ratio, opt_costs, opt_bytes = optimizer
         self._opt_costs, self._opt_bytes = opt_costs, max(1, opt_bytes)
 
     # ------------------------------------------------------------------ bytes of parameters
     def _sized(self, numels: Sequence[int], nbytes: int, shard: bool = True) -> List[int]:
-        f = self.run.fsdp if shard else 1
-        return [allocated_size(_shard(n, f) * nbytes, self.alloc) for n in numels]
+        # (memoised: a walk asks for every layer's sizes, a search walks many plans)
+        key = (tuple(numels), nbytes, shard)
+        sized = self._memo.get(key)
+        if sized is None:
+            f = self.run.fsdp if shard else 1
+            sized = self._memo[key] = [allocated_size(_shard(n, f) * nbytes, self.alloc) for n in numels]
+        return sized
 
     def _traced_grads(self, numels: Sequence[int]) -> int:
         """The gradients the trace made for these parameters (compute dtype, unsharded)."""
@@ -207,6 +213,13 @@ class StepModel:
         if not self._gathers():
             return 0
         return allocated_size(sum(numels) * 4, self.alloc)
+
+    def _sum_sized(self, numels: Sequence[int], nbytes: int) -> int:
+        key = ("sum", tuple(numels), nbytes)
+        total = self._memo.get(key)
+        if total is None:
+            total = self._memo[key] = sum(self._sized(numels, nbytes))
+        return total
 
     # ------------------------------------------------------------------ per layer
     def _phase_seconds(self, trace_option: str, phase: str) -> Seconds:
@@ -239,12 +252,10 @@ class StepModel:
         return cost
 
     def _hidden(self) -> int:
-        cfg = getattr(self.traces["none"], "hidden", None)
-        if cfg:
-            return int(cfg)
-        # (the output of a layer: the traced layer's smallest kept storage is its output)
-        fwd, _ = self.traces["none"].layer(0)
-        return min(fwd.kept_sizes) // (self.run.batch * self.run.seq * self.run.compute_bytes)
+        hidden = self.traces["none"].hidden
+        if not hidden:
+            raise ValueError("the traced model names no hidden_size: a swapped layer's output cannot be sized")
+        return hidden
 
     # ------------------------------------------------------------------ the walk
     def stages(self) -> List[Tuple[str, range, bool, bool, int]]:
@@ -278,6 +289,13 @@ class StepModel:
         return best
 
     def _static(self, layers: range, embed: bool, head: bool) -> Tuple[Dict[str, List[int]], List[Tuple[int, ...]]]:
+        key = ("static", layers.start, layers.stop, embed, head)
+        if key not in self._memo:
+            self._memo[key] = self._static_uncached(layers, embed, head)
+        return self._memo[key]
+
+    def _static_uncached(self, layers: range, embed: bool, head: bool
+                         ) -> Tuple[Dict[str, List[int]], List[Tuple[int, ...]]]:
         tr = self.traces["none"]
         numels: List[int] = []
         groups: List[Tuple[int, ...]] = []
@@ -300,13 +318,14 @@ class StepModel:
         tr = self.traces["none"]
         run = self.run
         static, groups = self._static(layers, embed, head)
-        params = sum(static["parameters"])
-        states = sum(static["optimizer state"])
-        buckets = sum(static["ddp buckets"])
+        key = ("sums", layers.start, layers.stop, embed, head)
+        if key not in self._memo:
+            self._memo[key] = tuple(sum(static[k]) for k in ("parameters", "optimizer state", "ddp buckets", "grads"))
+        params, states, buckets, all_grads = self._memo[key]
         grad_sizes = static["grads"]
         costs = [self.layer_cost(plan[i], i) for i in layers]
         grads_all = run.grad_accum > 1  # (later micro-batches start with every gradient there)
-        grads = sum(grad_sizes) if grads_all else 0
+        grads = all_grads if grads_all else 0
         act = 0       # activations kept for the backward
         lhead = 0     # what the loss head keeps
         kept: List[Sequence[int]] = []
@@ -374,7 +393,7 @@ class StepModel:
             lhead += ph.net - self._traced_grads(tr.head_params)
             kept.pop()  # (what the head kept is gone after its backward; a stack, as the backward runs)
             if not grads_all:
-                grads += sum(self._sized(tr.head_params, run.master_bytes))
+                grads += self._sum_sized(tr.head_params, run.master_bytes)
             seconds += self._phase_seconds(last, "head.bwd")
         for k in reversed(range(len(costs))):
             c = costs[k]
@@ -387,7 +406,7 @@ class StepModel:
             if not run.reshard_after_forward:
                 always_gathered -= self._gathered(c.params)
             if not grads_all:
-                grads += sum(self._sized(c.params, run.master_bytes))
+                grads += self._sum_sized(c.params, run.master_bytes)
             seconds += c.bwd_s
             if c.option == "swap":
                 nxt = costs[k + 1].bwd_s.total if k + 1 < len(costs) else 0.0
@@ -399,7 +418,7 @@ class StepModel:
             act += ph.net - self._traced_grads(tr.embed_params)
             kept.pop()
             if not grads_all:
-                grads += sum(self._sized(tr.embed_params, run.master_bytes))
+                grads += self._sum_sized(tr.embed_params, run.master_bytes)
             seconds += self._phase_seconds(first, "embed.bwd")
         # the optimizer step (after the last micro-batch; what is left of the activations is gone)
         act, lhead = 0, 0
