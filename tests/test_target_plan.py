@@ -48,7 +48,7 @@ def _plan(config, recipe="none", *, seq=64, batch=2, precision="fp32", optimizer
                            target=tgt, **run)
 
 
-def _measured_step(config, option, optimizer, *, seq=64, batch=2):
+def _measured_step(config, option, optimizer, *, seq=64, batch=2, grad_accum=1):
     """The bytes a real CPU step of the whole model takes above its parameters and optimizer
     state (the planner's CPU meter, ``tools/memory.MemoryMeter``), the step's second run (the
     optimizer's state exists, the gradients do not: ``zero_grad(set_to_none=True)``)."""
@@ -62,9 +62,10 @@ def _measured_step(config, option, optimizer, *, seq=64, batch=2):
     ids = torch.randint(0, config["vocab_size"], (batch, seq))
 
     def step():
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        del loss  # (a training loop that keeps the loss while the optimizer steps holds 4 more bytes)
+        for _ in range(grad_accum):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss / grad_accum
+            loss.backward()
+            del loss  # (a training loop that keeps the loss while the optimizer steps holds 4 more bytes)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -92,21 +93,23 @@ def test_the_meta_trace_counts_the_bytes_a_cpu_run_of_the_same_phases_counts(fam
     assert meta.phases["layer1.fwd"].net > 0 and meta.phases["head.fwd"].rise > 0
 
 
-@pytest.mark.parametrize("family,recipe,optimizer", [
-    ("llama", "none", "adamw"), ("llama", "none", "sgd"), ("llama", "full", "sgd"), ("llama", "selective", "sgd"),
-    ("llama", "hf-gc", "sgd"), ("qwen3", "none", "sgd"), ("qwen3", "full", "adamw"), ("qwen3", "selective", "sgd"),
+@pytest.mark.parametrize("family,recipe,optimizer,accum", [
+    ("llama", "none", "adamw", 1), ("llama", "none", "sgd", 1), ("llama", "full", "sgd", 1),
+    ("llama", "selective", "sgd", 1), ("llama", "hf-gc", "sgd", 1), ("llama", "full", "sgd", 2),
+    ("qwen3", "none", "sgd", 1), ("qwen3", "full", "adamw", 1), ("qwen3", "selective", "sgd", 2),
 ])
-def test_the_whole_step_predicted_from_two_traced_layers_equals_the_measured_cpu_step(family, recipe, optimizer):
+def test_the_whole_step_predicted_from_two_traced_layers_equals_the_measured_cpu_step(family, recipe, optimizer, accum):
     """The planner traces two layers and composes the whole step (parameters, gradients,
     optimizer state and temporaries, activations, loss head); a real CPU step of the whole model
     measured by the planner's CPU meter takes exactly the predicted bytes above its parameters
-    and optimizer state."""
+    and optimizer state (with gradient accumulation too: the second micro-batch adds into the
+    gradients of the first)."""
     config = SMALL[family]
-    answer = _plan(config, recipe, optimizer=optimizer)
+    answer = _plan(config, recipe, optimizer=optimizer, grad_accum=accum)
     parts = dict(answer["peak_parts"])
     predicted = answer["peak_allocated_bytes"] - parts["parameters"] - parts.get("optimizer state", 0)
     option = {"none": "none", "full": "full", "selective": "selective", "hf-gc": "hf-gc"}[recipe]
-    assert _measured_step(config, option, optimizer) == predicted
+    assert _measured_step(config, option, optimizer, grad_accum=accum) == predicted
     assert answer["peak_reserved_bytes"] == answer["peak_allocated_bytes"]   # (exact: no rounding)
 
 

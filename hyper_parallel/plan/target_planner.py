@@ -62,7 +62,7 @@ def plan_for_target(config: Dict[str, Any], *, seq: int, batch: int, grad_accum:
     dtype = _DTYPES[precision]
     attention = "cpu" if target.allocator == "exact" else "cuda"
     traces = {option: trace_step(config, seq=seq, batch=batch, dtype=dtype, option=option,
-                                 allocator=target.allocator, attention=attention)
+                                 allocator=target.allocator, attention=attention, accumulate=grad_accum > 1)
               for option in RECIPE_TRACES[recipe]}
     none = traces["none"]
     master = torch.float32 if run.master_bytes == 4 else torch.bfloat16

@@ -179,6 +179,8 @@ class StepTrace:
     bytes_only: Dict[str, int]
     #: the width of the hidden states a layer passes on (its output: what a swapped layer keeps)
     hidden: int = 0
+    #: the gradients existed before the step (``trace_step(accumulate=True)``): the phases hold none
+    accumulate: bool = False
 
     def layer(self, i: int) -> Tuple[Phase, Phase]:
         """The forward and backward phases standing for the real model's layer ``i``: the traced
@@ -256,11 +258,14 @@ def apply_option(model: torch.nn.Module, option: str) -> None:
 
 def trace_step(config: Dict[str, Any], *, seq: int, batch: int, dtype: torch.dtype, option: str,
                allocator: str = "cuda_caching", attention: str = "cuda", device: Any = "meta",
-               model: Optional[torch.nn.Module] = None) -> StepTrace:
+               model: Optional[torch.nn.Module] = None, accumulate: bool = False) -> StepTrace:
     """Trace one step of ``config``'s model (module docstring) under activation ``option``.
     ``attention``: the fused attention kernel the target runs (:class:`FusedAttentionOnMeta`);
     ``device="cpu"`` with ``model`` runs the same phases on a real model (a measured profile,
-    for comparing with a meta trace)."""
+    for comparing with a meta trace). ``accumulate``: the gradients exist before the step (a
+    micro-batch after the first under gradient accumulation): autograd adds each new gradient into
+    them and frees it, and the trace counts only that transient (else each layer's gradients are
+    born in its backward and stay)."""
     if option not in OPTIONS:
         raise ValueError(f"unknown activation option {option!r}; use one of {', '.join(OPTIONS)}")
     kinds = layer_kinds(config)
@@ -292,6 +297,10 @@ def trace_step(config: Dict[str, Any], *, seq: int, batch: int, dtype: torch.dty
         handles.append(layer.register_forward_pre_hook(functools.partial(pre_hook, i), with_kwargs=True))
         handles.append(layer.register_forward_hook(functools.partial(post_hook, i)))
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    if accumulate:
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
     try:
         with _one_sequence_per_row_on_meta(), mode:
             mode.mark("embed.fwd")
@@ -324,7 +333,7 @@ def trace_step(config: Dict[str, Any], *, seq: int, batch: int, dtype: torch.dty
     return StepTrace(option=option, phases=dict(mode.phases), kinds=kinds, traced=len(layers),
                      layer_params=[_numels(layer) for layer in layers], embed_params=_numels(embed),
                      head_params=head_params, dtype=dtype, notes=notes, bytes_only=dict(mode.log.bytes_only),
-                     hidden=int(getattr(model.config, "hidden_size", 0) or 0))
+                     hidden=int(getattr(model.config, "hidden_size", 0) or 0), accumulate=accumulate)
 
 
 def trace_optimizer(numels: Sequence[int], dtype: torch.dtype, optimizer: str,

@@ -196,7 +196,10 @@ class StepModel:
         return sized
 
     def _traced_grads(self, numels: Sequence[int]) -> int:
-        """The gradients the trace made for these parameters (compute dtype, unsharded)."""
+        """The gradients the trace made for these parameters (compute dtype, unsharded; none when
+        they existed before the traced step: gradient accumulation)."""
+        if self.traces["none"].accumulate:
+            return 0
         return sum(self._sized(numels, self.run.compute_bytes, shard=False))
 
     def _gathers(self) -> bool:
