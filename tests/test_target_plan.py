@@ -18,8 +18,8 @@ transformers = pytest.importorskip("transformers", reason="the target planner tr
 from hyper_parallel.plan import __main__ as cli  # noqa: E402
 from hyper_parallel.plan._stub import RESULT_KEYS  # noqa: E402
 from hyper_parallel.plan.target_planner import plan_for_target  # noqa: E402
-from hyper_parallel.planner import hf_trace, meta_trace, step_model  # noqa: E402
-from hyper_parallel.planner.hf_trace import apply_option, build_model, trace_step  # noqa: E402
+from hyper_parallel.planner import step_model, torch_hf_trace, torch_meta_trace  # noqa: E402
+from hyper_parallel.planner.torch_hf_trace import apply_option, build_model, trace_step  # noqa: E402
 from hyper_parallel.planner.model_configs import model_config  # noqa: E402
 from hyper_parallel.planner.targets import Target, target  # noqa: E402
 from hyper_parallel.tools.memory import MemoryMeter  # noqa: E402
@@ -291,5 +291,5 @@ def test_the_command_line_prints_a_table_and_json_for_llama3_8b_on_an_h100(capsy
 
 def test_docstring_examples():
     import doctest
-    for module in (meta_trace, hf_trace, step_model):
+    for module in (torch_meta_trace, torch_hf_trace, step_model):
         assert doctest.testmod(module, verbose=False).failed == 0, module.__name__

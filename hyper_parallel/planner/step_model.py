@@ -1,7 +1,7 @@
 """The whole training step on a target, composed from traced phases: its peak bytes (what they are
 made of), its time, and the fastest per-layer plan under a budget.
 
-:mod:`~.hf_trace` traces one step of a model cut down to a few layers; this module builds the
+:mod:`~.torch_hf_trace` traces one step of a model cut down to a few layers; this module builds the
 real step from it, with no framework: a *walk* over the step in the order the device runs it,
 
     embedding forward, layer 0 .. L-1 forward, loss head forward and backward,

@@ -6,7 +6,7 @@ ops cost; and the same for the embedding and the loss head. A model of ``L`` ide
 does not need ``L`` layers traced: :func:`trace_step` builds the model from its configuration
 with only as many layers as it takes to see every kind of layer after a first one (two for a
 Llama), on the meta device (no memory, no weights, no download), runs ``model(input_ids,
-labels=..., use_cache=False).loss.backward()`` under :class:`~.meta_trace.LiveBytesMode`, and
+labels=..., use_cache=False).loss.backward()`` under :class:`~.torch_meta_trace.LiveBytesMode`, and
 cuts the trace into phases with module and tensor hooks:
 
 ``embed.fwd`` (embedding, rotary tables) -> ``layer{i}.fwd`` ... -> ``head.fwd`` (final norm,
@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from .meta_trace import FusedAttentionOnMeta, LiveBytesMode, Phase
+from .torch_meta_trace import FusedAttentionOnMeta, LiveBytesMode, Phase
 from .model_configs import config_kwargs
 
 __all__ = ["StepTrace", "trace_step", "apply_option", "build_model", "layer_kinds", "decoder_layers", "OPTIONS",
@@ -73,7 +73,7 @@ def traced_layer_count(kinds: Sequence[str]) -> int:
 def fused_attention(kind: str) -> str:
     """The name of a Hugging Face attention implementation that is SDPA's (``sdpa_attention_forward``
     and ``sdpa_mask``) with ``F.scaled_dot_product_attention`` on meta tensors running the fused
-    kernel of ``kind`` (:class:`~.meta_trace.FusedAttentionOnMeta`; real tensors: SDPA as it is).
+    kernel of ``kind`` (:class:`~.torch_meta_trace.FusedAttentionOnMeta`; real tensors: SDPA as it is).
     Registered as an implementation rather than entered around the step, so that a checkpoint's
     recompute in the backward takes the same kernel as the forward."""
     from transformers import AttentionInterface, AttentionMaskInterface
