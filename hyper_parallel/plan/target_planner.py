@@ -88,7 +88,7 @@ def plan_for_target(config: Dict[str, Any], *, seq: int, batch: int, grad_accum:
         plan = [option] * layers
         walk, reserved = model.evaluate(plan)
     limit = min(target.memory_bytes, budget) if budget is not None else target.memory_bytes
-    notes = _notes(traces, run, target, recipe, walk, opt_notes)
+    notes = _notes(traces, run, target, recipe, walk, opt_notes, swapped="swap" in plan or "swap" in min_plan)
     marks: Dict[str, str] = {k: "modelled" for k in ("fits", "peak_allocated_bytes", "peak_reserved_bytes",
                                                       "minimum_bytes", "step_s", "bound")}
     marks.update({name: "modelled" for name in PARTS})
@@ -107,7 +107,8 @@ def plan_for_target(config: Dict[str, Any], *, seq: int, batch: int, grad_accum:
     }
 
 
-def _notes(traces: Dict[str, Any], run: Run, target: Target, recipe: str, walk: Any, opt_notes: List[str]) -> List[str]:
+def _notes(traces: Dict[str, Any], run: Run, target: Target, recipe: str, walk: Any, opt_notes: List[str],
+           swapped: bool) -> List[str]:
     none = traces["none"]
     notes: List[str] = []
     if walk.stage:
@@ -138,7 +139,7 @@ def _notes(traces: Dict[str, Any], run: Run, target: Target, recipe: str, walk: 
     if recipe == "selective":
         notes.append("selective: torchtitan's per-op policy (save attention outputs and every other mm) run by "
                      "torch.utils.checkpoint's selective checkpointing on the meta device")
-    if "swap" in walk_plan_options(recipe):
+    if swapped or recipe == "plan":
         notes.append("swap: modelled from the none trace (the layer's saved bytes leave the device after its "
                      "forward, the previous layer's stay while in flight; copies over the host link hide behind "
                      "the next layer's compute)")
@@ -152,6 +153,3 @@ def _notes(traces: Dict[str, Any], run: Run, target: Target, recipe: str, walk: 
                  "segments pack (an estimate: fragmentation and cached blocks from earlier phases are not modelled)")
     return notes
 
-
-def walk_plan_options(recipe: str) -> tuple:
-    return ("none", "selective", "recompute", "swap") if recipe == "plan" else ()
