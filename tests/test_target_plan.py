@@ -293,3 +293,49 @@ def test_docstring_examples():
     import doctest
     for module in (torch_meta_trace, torch_hf_trace, step_model):
         assert doctest.testmod(module, verbose=False).failed == 0, module.__name__
+
+
+def test_a_mixed_plan_applied_to_a_real_cpu_model_takes_the_bytes_it_predicts():
+    """Plans under budgets between the smallest peak and the unwrapped one mix the options per
+    layer; applied to the real model (each layer its option), the measured step takes exactly the
+    predicted bytes, within the budget."""
+    from hyper_parallel.planner.torch_hf_trace import apply_plan
+
+    config = SMALL["llama"]
+    slow_link = CPU_EXACT.replace(name="no swapping", host_link_bytes_per_s=1e4)  # (swap too slow to choose)
+    none = _plan(config, "none", optimizer="sgd", tgt=slow_link)
+    low, high = none["minimum_bytes"], none["peak_reserved_bytes"]
+    mixed = 0
+    for k in range(0, 8):
+        budget = low + (high - low) * k // 8
+        answer = _plan(config, "plan", optimizer="sgd", budget=budget, tgt=slow_link)
+        plan = answer["plan"]
+        if "swap" in plan or len(set(plan)) < 2:
+            continue
+        mixed += 1
+        torch.manual_seed(0)
+        model = build_model(config, config["num_hidden_layers"], torch.float32, "cpu")
+        apply_plan(model, plan)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, config["vocab_size"], (2, 64))
+        for _ in range(2):
+            with MemoryMeter("cpu", track=[model, opt], scan_gc=False) as meter:
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+                del loss
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        parts = dict(answer["peak_parts"])
+        assert meter.peak_bytes - meter.baseline_bytes == answer["peak_allocated_bytes"] - parts["parameters"], plan
+        assert meter.peak_bytes <= budget + sum(b.numel() * b.element_size() for b in model.buffers()), plan
+    assert mixed >= 2
+
+
+def test_the_command_line_plans_a_users_config_for_this_machine(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SMALL["qwen3"]))
+    assert cli.main([str(path), "--seq", "64", "--batch", "2", "--precision", "fp32", "--optimizer", "sgd",
+                     "--target", "this", "--recipe", "selective", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["target"]["calibrated"] and answer["plan"] == ["selective"] * 4
+    assert answer["peak_reserved_bytes"] == answer["peak_allocated_bytes"]      # (a CPU: no rounding)

@@ -354,10 +354,17 @@ class StepModel:
                 g += self._gathered(costs[j].params)
             return g
 
-        # (the embedding's and the head's phases come from the trace of their neighbouring layer's
-        # option: what the head keeps depends on how the last layer ran, e.g. under a checkpoint)
-        first, last = TRACE_OF[plan[0]], TRACE_OF[plan[self.layers - 1]]
+        # (the embedding's phases come from the trace of the first layer's option. What the model
+        # passes every layer by keyword (position ids, ...) dies when the forward ends, unless a
+        # checkpointed layer holds it for its recompute: then the head's phases are those of a
+        # checkpointed trace, which keep it, and it dies in the backward of the first checkpointed
+        # layer, which layer 0 of such a trace shows and a later layer does not: ``shared``)
+        first = TRACE_OF[plan[0]]
+        checkpointed = [i for i, o in enumerate(plan) if o in ("recompute", "selective", "hf-gc")]
+        last = TRACE_OF[plan[checkpointed[0]]] if checkpointed else "none"
         etr, htr = self.traces[first], self.traces[last]
+        shared = max(0, htr.phases["head.fwd"].net - tr.phases["head.fwd"].net)
+        frees_shared = checkpointed[0] if checkpointed and checkpointed[0] > 0 else None
 
         # forward of the micro-batches in flight before the first backward (1F1B on a first stage)
         for m in range(flight):
@@ -405,6 +412,8 @@ class StepModel:
             candidate({"activations": c.bwd_rise + prefetch, "gathered parameters": g,
                        "communication buffers": self._reduce_buffer(c.params)}, c.bwd_peak_sizes)
             act += c.bwd_net
+            if layers[k] == frees_shared:
+                act -= shared
             kept.pop()
             if not run.reshard_after_forward:
                 always_gathered -= self._gathered(c.params)

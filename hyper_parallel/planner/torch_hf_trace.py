@@ -44,7 +44,7 @@ import torch
 from .torch_meta_trace import FusedAttentionOnMeta, LiveBytesMode, Phase
 from .model_configs import config_kwargs
 
-__all__ = ["StepTrace", "trace_step", "apply_option", "build_model", "layer_kinds", "decoder_layers", "OPTIONS",
+__all__ = ["StepTrace", "trace_step", "apply_option", "apply_plan", "build_model", "layer_kinds", "decoder_layers", "OPTIONS",
            "torchtitan_policy", "trace_optimizer"]
 
 #: The activation options :func:`trace_step` traces (module docstring).
@@ -235,12 +235,14 @@ def _numels(module: torch.nn.Module, exclude: Sequence[torch.nn.Module] = ()) ->
     return [p.numel() for p in module.parameters() if id(p) not in skip and p.requires_grad]
 
 
-def apply_option(model: torch.nn.Module, option: str) -> None:
-    """Set activation ``option`` (:data:`OPTIONS`) on every decoder layer of ``model`` the way it
-    runs in training (module docstring); ``none`` leaves the model as it is."""
+def apply_option(model: torch.nn.Module, option: str, layers: Optional[Sequence[int]] = None) -> None:
+    """Set activation ``option`` (:data:`OPTIONS`) on the decoder layers of ``model`` (``layers``:
+    their indices; default every one) the way it runs in training (module docstring); ``none``
+    leaves them as they are. ``hf-gc`` is the whole model's switch (every layer)."""
     if option not in OPTIONS:
         raise ValueError(f"unknown activation option {option!r}; use one of {', '.join(OPTIONS)}")
-    layers = decoder_layers(model)
+    every = decoder_layers(model)
+    layers = [every[i] for i in layers] if layers is not None else list(every)
     if option in ("full", "selective"):
         from torch.utils.checkpoint import checkpoint
         kwargs: Dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": False}
@@ -249,11 +251,25 @@ def apply_option(model: torch.nn.Module, option: str) -> None:
         for layer in layers:
             layer.gradient_checkpointing = True
             layer._gradient_checkpointing_func = functools.partial(checkpoint, **kwargs)
+        if option == "selective":  # (one policy per layer: its counters are the layer's own)
+            for layer in layers:
+                layer._gradient_checkpointing_func = functools.partial(
+                    checkpoint, **{**kwargs, "context_fn": torchtitan_policy()})
     elif option == "hf-gc":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
+
+
+def apply_plan(model: torch.nn.Module, plan: Sequence[str]) -> None:
+    """Set a plan's option (``none``, ``selective``, ``recompute``) on each decoder layer, as
+    the plan was traced; ``swap`` is the swap engine's (``core/``), not set here: a ``ValueError``."""
+    names = {"none": "none", "selective": "selective", "recompute": "full"}
+    for option in set(plan):
+        if option not in names:
+            raise ValueError(f"apply_plan sets none, selective and recompute; {option!r} is not one of them")
+        apply_option(model, names[option], [i for i, o in enumerate(plan) if o == option])
 
 
 def trace_step(config: Dict[str, Any], *, seq: int, batch: int, dtype: torch.dtype, option: str,
