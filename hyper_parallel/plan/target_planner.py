@@ -13,6 +13,8 @@ which part).
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -31,6 +33,16 @@ RECIPE_TRACES = {"none": ("none", "full", "selective"), "full": ("none", "full",
                  "plan": ("none", "full", "selective")}
 _DTYPES = {"bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16, "fp16-amp": torch.float16, "fp32": torch.float32}
 _OPTIMIZERS = ("adamw", "adamw-fused", "sgd")
+
+
+@functools.lru_cache(maxsize=32)
+def _trace(config_json: str, seq: int, batch: int, dtype: torch.dtype, option: str, allocator: str, attention: str,
+           accumulate: bool) -> Any:
+    """``trace_step``, remembered: a traced step depends only on these arguments (the recipes of
+    one run, or plans of one model for several targets of one allocator, share their traces).
+    The traces are read, never changed, by the step model."""
+    return trace_step(json.loads(config_json), seq=seq, batch=batch, dtype=dtype, option=option,
+                      allocator=allocator, attention=attention, accumulate=accumulate)
 
 
 def _check(run: Run, recipe: str, budget: Optional[int], config: Dict[str, Any]) -> None:
@@ -61,8 +73,8 @@ def plan_for_target(config: Dict[str, Any], *, seq: int, batch: int, grad_accum:
     _check(run, recipe, budget, config)
     dtype = _DTYPES[precision]
     attention = "cpu" if target.allocator == "exact" else "cuda"
-    traces = {option: trace_step(config, seq=seq, batch=batch, dtype=dtype, option=option,
-                                 allocator=target.allocator, attention=attention, accumulate=grad_accum > 1)
+    key = json.dumps(config, sort_keys=True, default=str)
+    traces = {option: _trace(key, seq, batch, dtype, option, target.allocator, attention, grad_accum > 1)
               for option in RECIPE_TRACES[recipe]}
     none = traces["none"]
     master = torch.float32 if run.master_bytes == 4 else torch.bfloat16
