@@ -1,4 +1,5 @@
-"""The contract of the target planner the command line calls (being built; until then a stub).
+"""The contract of the target planner the command line calls (implemented in
+``plan/target_planner.py``; this module keeps the contract and the name the command line imports).
 
 ``plan_for_target`` plans one training step of a Hugging Face model for a described accelerator
 and returns a dict with the keys of :data:`RESULT_KEYS`:
@@ -33,5 +34,10 @@ def plan_for_target(config: Dict[str, Any], *, seq: int, batch: int, grad_accum:
                     optimizer: str, dp: int, fsdp: int, reshard_after_forward: bool, pp: int, recipe: str,
                     budget: Optional[int], target: Target) -> Dict[str, Any]:
     """Plan one training step of the model ``config`` (a Hugging Face ``config.json`` as a dict)
-    for ``target`` (see the module docstring for what it returns)."""
-    raise NotImplementedError("the target planner is being built")
+    for ``target`` (see the module docstring for what it returns; the answer may carry more keys,
+    e.g. ``peak_parts``: what the peak itself is made of)."""
+    from hyper_parallel.plan.target_planner import plan_for_target as plan  # (torch and transformers load here)
+
+    return plan(config, seq=seq, batch=batch, grad_accum=grad_accum, precision=precision, optimizer=optimizer,
+                dp=dp, fsdp=fsdp, reshard_after_forward=reshard_after_forward, pp=pp, recipe=recipe, budget=budget,
+                target=target)
