@@ -21,7 +21,7 @@ from hyper_parallel.core.backend import active_backend
 from hyper_parallel.planner import OpKey, OpTablePolicy, Planner, format_bytes, parse_budget
 from hyper_parallel.planner import candidates as cand
 from hyper_parallel.planner.options import LayerOption
-from hyper_parallel.planner.plan import LayerChoice
+from hyper_parallel.planner.memory_plan import LayerChoice
 from hyper_parallel.planner import segments, solver
 from hyper_parallel.planner.cost import predict, segment_bytes
 from hyper_parallel.planner.profile import RELATIONS, Effect, LayerRecord, LayerType, OpRecord, Segment, StepProfile

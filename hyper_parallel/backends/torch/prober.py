@@ -1,4 +1,4 @@
-"""The planner's PyTorch part: the primitives :class:`~hyper_parallel.planner.probing.ChainProber`
+"""The planner's PyTorch part: the primitives :class:`~hyper_parallel.planner.chain_prober.ChainProber`
 profiles a training step and probes a layer's options with (the algorithm is there, once for
 every framework).
 
@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hyper_parallel.core.backend import Backend
 from hyper_parallel.integrations import find_layer_stack
 from hyper_parallel.planner.options import OpKey
-from hyper_parallel.planner.probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
+from hyper_parallel.planner.chain_prober import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
 from hyper_parallel.planner.step_state import StepState
 from hyper_parallel.tools.clock import no_gc, step_clock
 from hyper_parallel.tools.gc_pause import live_objects
@@ -168,7 +168,7 @@ class _Recorder(TorchDispatchMode):
 
 class TorchProber(ChainProber):
     """Profiling and probing on PyTorch; the planner's framework part. The algorithm is
-    :class:`~hyper_parallel.planner.probing.ChainProber`'s; this class gives it PyTorch's
+    :class:`~hyper_parallel.planner.chain_prober.ChainProber`'s; this class gives it PyTorch's
     primitives (see the module docstring)."""
 
     name = "torch"
@@ -439,7 +439,7 @@ class TorchProber(ChainProber):
 
 
 class _OpTimer(TorchDispatchMode):
-    """Passes every op call through ``times`` (:class:`~hyper_parallel.planner.probing.OpTimes`)."""
+    """Passes every op call through ``times`` (:class:`~hyper_parallel.planner.chain_prober.OpTimes`)."""
 
     def __init__(self, times: OpTimes, key_of: Callable[[Any, tuple], OpKey]) -> None:
         super().__init__()

@@ -17,7 +17,7 @@ from .budget import format_bytes, parse_budget
 from .cost import breakdown, predict, reference_retained
 from .distributed import AgreeingProber
 from .options import LayerOption, OpKey
-from .plan import LayerChoice, MemoryPlan
+from .memory_plan import LayerChoice, MemoryPlan
 from .profile import Effect, LayerType, StepProfile
 
 __all__ = ["plan_memory", "Planner", "make_plan"]
