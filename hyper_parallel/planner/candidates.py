@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .options import NONE, RECOMPUTE, LayerOption, OpKey
-from .profile import RELATIONS, Effect, LayerType
+from .profile import RELATIONS, Effect, LayerRecord, LayerType
 
-__all__ = ["MIN_SWAP_BYTES", "Unit", "units_of", "candidate_options", "Calibration", "model_effect", "fit", "ZERO",
+__all__ = ["MIN_SWAP_BYTES", "Unit", "units_of", "swapped_sizes", "kept_units", "candidate_options", "Calibration", "model_effect", "fit", "ZERO",
            "RECOMPUTE", "RECOMPUTE_SWAP_INPUTS", "SWAP_ALL"]
 
 #: Saved tensors below this many bytes are never swapped: moving them costs a copy launch, a
@@ -72,6 +72,19 @@ def units_of(ltype: LayerType) -> List[Unit]:
         unit.seconds += op.seconds
         unit.calls += 1
     return list(out.values())
+
+
+def swapped_sizes(option: LayerOption, record: LayerRecord) -> List[int]:
+    """The sizes of the saved tensors that the whole-layer swap ``option`` moves (the rest stay)."""
+    return [s for s in record.saved_sizes if s >= max(option.swap_min_bytes, MIN_SWAP_BYTES)]
+
+
+def kept_units(option: LayerOption, ltype: LayerType) -> Tuple[List[Unit], List[Unit]]:
+    """The units whose outputs the selective ``option`` saves, and those it swaps."""
+    units = {u.key: u for u in units_of(ltype)}
+    saved = [units[k] for k, a in option.keep if a == "save" and k in units]
+    swapped = [units[k] for k, a in option.keep if a == "swap" and k in units]
+    return saved, swapped
 
 
 def _expensive_keys(ltype: LayerType) -> List[OpKey]:
@@ -157,7 +170,7 @@ def model_effect(option: LayerOption, ltype: LayerType, cal: Calibration) -> Eff
         if cal.swap_all is None:
             return ZERO
         kept = sum(s for s in record.saved_sizes if MIN_SWAP_BYTES <= s < option.swap_min_bytes)
-        moved = [s for s in record.saved_sizes if s >= max(option.swap_min_bytes, MIN_SWAP_BYTES)]
+        moved = swapped_sizes(option, record)
         all_moved = [s for s in record.saved_sizes if s >= MIN_SWAP_BYTES]
         effect = dict(cal.swap_all.bytes)
         for r in _RETAINED + ("own_fwd", "last_fwd", "own_bwd", "last_bwd"):
@@ -168,12 +181,11 @@ def model_effect(option: LayerOption, ltype: LayerType, cal: Calibration) -> Eff
     base = cal.recompute_swap_inputs if option.swap_inputs else cal.recompute
     if option.whole_recompute:
         return base
-    units = {u.key: u for u in units_of(ltype)}
     kept_ops = dict(option.keep)
-    saved_bytes = sum(units[k].bytes for k, a in option.keep if a == "save" and k in units)
-    swapped = [units[k] for k, a in option.keep if a == "swap" and k in units]
+    saved, swapped = kept_units(option, ltype)
+    saved_bytes = sum(u.bytes for u in saved)
     swapped_bytes = sum(u.bytes for u in swapped)
-    avoided = sum(u.seconds for k, u in units.items() if k in kept_ops)
+    avoided = sum(u.seconds for u in units_of(ltype) if u.key in kept_ops)
     effect = dict(base.bytes)
     for r in _RETAINED:
         effect[r] += saved_bytes

@@ -21,7 +21,14 @@ from typing import Container, List, Optional, Sequence, Tuple
 
 from .profile import Effect, Segment, StepProfile
 
-__all__ = ["relation", "contributions", "Prediction", "predict", "segment_bytes"]
+__all__ = ["unretried", "relation", "contributions", "Prediction", "predict", "segment_bytes"]
+
+
+def unretried(i: int, layers: int, held: Container[int] = ()) -> bool:
+    """Whether the layer chain never offloads layer ``i``'s input (of ``layers``): the second to
+    last layer (nothing ends after the last), and a layer whose input the model holds (``held``).
+    Such a layer keeps ``fwd_age1`` (then ``input_kept``) where the others keep ``old``."""
+    return i == layers - 2 or i in held
 
 
 def relation(i: int, segment: Segment, layers: int, held: Container[int] = ()
@@ -39,7 +46,7 @@ def relation(i: int, segment: Segment, layers: int, held: Container[int] = ()
     one of the layer after it, hold the input on top of theirs (``input_kept - old`` more)."""
     kind, j = segment.kind, segment.layer
     last = i == layers - 1
-    unretried = i == layers - 2 or i in held
+    kept_input = unretried(i, layers, held)
     if kind == "pre":
         return None
     if kind in ("fwd", "gap") and j < i:
@@ -51,7 +58,7 @@ def relation(i: int, segment: Segment, layers: int, held: Container[int] = ()
     if kind == "fwd" and j == i + 1:
         return (("fwd_age1", 1),)
     if kind in ("fwd", "gap"):
-        if not unretried:
+        if not kept_input:
             return (("old", 1),)
         return (("input_kept" if kind == "gap" and j == layers - 1 else "fwd_age1", 1),)
     # kind == "bwd"
@@ -60,9 +67,9 @@ def relation(i: int, segment: Segment, layers: int, held: Container[int] = ()
     if j == i and last:
         return (("last_bwd", 1),)
     if j > i + 1:
-        return (("input_kept" if unretried else "old", 1),)
+        return (("input_kept" if kept_input else "old", 1),)
     name = "own_bwd" if j == i else "bwd_prev"
-    return ((name, 1), ("input_kept", 1), ("old", -1)) if unretried else ((name, 1),)
+    return ((name, 1), ("input_kept", 1), ("old", -1)) if kept_input else ((name, 1),)
 
 
 def contributions(i: int, segment: Segment, layers: int, held: Container[int] = ()

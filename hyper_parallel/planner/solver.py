@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .cost import contributions, relation
+from .cost import contributions, relation, segment_bytes, unretried
 from .profile import Effect, Segment
 
 __all__ = ["Problem", "solve", "exact_peak", "min_peak", "lower_bound", "solve_milp", "lp_bound", "have_scipy"]
@@ -53,10 +53,9 @@ class Problem:
 
     def carried(self, i: int, effect: Effect) -> float:
         """What layer ``i`` with ``effect`` adds to the segments after the next layer's (``T``)."""
-        unretried = i == self.layers - 2 or i in self.held
         # (an unretried layer's state before the head, fwd_age1, is at most input_kept: the
         # programme charges the larger to every segment, the exact prediction tells them apart)
-        return float(effect.bytes["input_kept" if unretried else "old"])
+        return float(effect.bytes["input_kept" if unretried(i, self.layers, self.held) else "old"])
 
     @property
     def layers(self) -> int:
@@ -85,7 +84,7 @@ def _layer_constraints(problem: Problem) -> List[List[Tuple[float, Tuple[Tuple[s
         own = contributions(owner, s, n, problem.held)
         for i in range(owner - 1):
             rel = relation(i, s, n, problem.held)
-            carried = ("input_kept", "fwd_age1") if i == n - 2 or i in problem.held else ("old",)
+            carried = ("input_kept", "fwd_age1") if unretried(i, n, problem.held) else ("old",)
             if rel is not None and (len(rel) != 1 or rel[0] not in [(c, 1) for c in carried]):
                 raise AssertionError(f"segment {s.name}: layer {i} stands {rel}, not {carried!r}")
         per_layer[owner].append((constant, prev or (), own))
@@ -257,12 +256,11 @@ def _seconds(problem: Problem, choice: Sequence[int]) -> float:
 
 
 def exact_peak(problem: Problem, choice: Sequence[int]) -> float:
-    """The predicted peak of ``choice`` without rounding (``cost.predict``'s sum)."""
+    """The predicted peak of ``choice`` without rounding (``cost.predict``'s, over the problem's
+    segments)."""
     effects = [problem.options[i][k] for i, k in enumerate(choice)]
-    n = problem.layers
     extra = (problem.in_flight - 1) * (problem.retained + sum(problem.head_value(i, e) for i, e in enumerate(effects)))
-    return max((s.peak + sum(_value(e, contributions(i, s, n, problem.held)) for i, e in enumerate(effects))
-                for s in problem.segments), default=0.0) + extra
+    return max((segment_bytes(s, effects, problem.held) for s in problem.segments), default=0.0) + extra
 
 
 def solve(problem: Problem, budget: float, resolution: int = 2048) -> Optional[List[int]]:
