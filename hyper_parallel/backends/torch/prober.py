@@ -25,6 +25,7 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -38,7 +39,7 @@ from hyper_parallel.tools.gc_pause import live_objects
 from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, local_tensors, mark_host
 
 from ._shim import in_backward, is_sharded, storage_key, unsharded_copy, untyped_storage_key
-from .collectives import collectives_for
+from .collectives import TorchCollectives
 from .pipeline_schedule import TorchPipeline
 
 __all__ = ["TorchProber", "EXPENSIVE_OPS"]
@@ -259,10 +260,22 @@ class TorchProber(ChainProber):
             state.restore()
 
     @staticmethod
-    def collectives(group: Any) -> Any:
-        """The ``torch.distributed`` collectives of ``plan_memory(..., group=group)``, or ``None``
-        to plan alone (``collectives.collectives_for``)."""
-        return collectives_for(group)
+    def collectives(group: Any) -> Optional[TorchCollectives]:
+        """The collectives ``plan_memory(..., group=group)`` agrees through, or ``None`` to plan on
+        this process alone (``group=False``; ``None`` when ``torch.distributed`` is not initialized or
+        has one rank; a group of one rank)."""
+        if group is False:
+            return None
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"plan_memory(group=...): expected a torch.distributed ProcessGroup, None (the default group "
+                            f"when torch.distributed is initialized) or False (this process alone), got {group!r}")
+        if not (dist.is_available() and dist.is_initialized()):
+            if group is not None:
+                raise ValueError("plan_memory(group=...): torch.distributed is not initialized "
+                                 "(call torch.distributed.init_process_group first, or leave group out)")
+            return None
+        collectives = TorchCollectives(group)
+        return collectives if collectives.size > 1 else None
 
     def _watched_state(self, collect: int = 1) -> _StepState:
         """A fresh state for a step: the generators saved, every live parameter's ``.grad`` seen
@@ -284,14 +297,11 @@ class TorchProber(ChainProber):
 
     # ------------------------------------------------------------------ devices and time
     @staticmethod
-    def device_of(layers: Sequence[torch.nn.Module]) -> torch.device:
+    def _device_of(layers: Sequence[torch.nn.Module]) -> torch.device:
         for layer in layers:
             for p in layer.parameters():
                 return p.device
         return torch.device("cpu")
-
-    def _device_of(self, layers: Sequence[torch.nn.Module]) -> torch.device:
-        return self.device_of(layers)
 
     @staticmethod
     def synchronize(device: torch.device) -> None:
