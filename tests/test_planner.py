@@ -395,10 +395,10 @@ _EVERY_OPTION = [
     LayerOption("none", label="none"),
     LayerOption("swap"),
     LayerOption("swap", swap_min_bytes=4096, label="swap >= 4 KiB"),
-    LayerOption("checkpoint", label="recompute"),
-    LayerOption("checkpoint", keep=((_MM, "save"), (_GELU, "swap")), label="keep mm, swap gelu"),
-    LayerOption("checkpoint", swap_inputs=True),
-    LayerOption("checkpoint", keep=((_GELU, "save"),), swap_inputs=True, label="keep gelu + inputs"),
+    LayerOption("recompute", label="recompute"),
+    LayerOption("recompute", keep=((_MM, "save"), (_GELU, "swap")), label="keep mm, swap gelu"),
+    LayerOption("recompute", swap_inputs=True),
+    LayerOption("recompute", keep=((_GELU, "save"),), swap_inputs=True, label="keep gelu + inputs"),
 ]
 
 
@@ -413,6 +413,27 @@ def test_a_layer_option_survives_json_field_by_field(option):
     of option comes back as it was (``==`` skips the label: compared field by field)."""
     again = LayerOption.from_json(json.loads(json.dumps(option.to_json())))
     assert _fields(again) == _fields(option)
+
+
+def test_a_plan_written_with_the_old_kind_name_loads():
+    """Plans written before the option kind ``"checkpoint"`` was named ``"recompute"`` (what it
+    does) still load, as the same options; they are written back with the new name."""
+    for option in _EVERY_OPTION:
+        if option.kind != "recompute":
+            continue
+        old = {**option.to_json(), "kind": "checkpoint"}
+        again = LayerOption.from_json(json.loads(json.dumps(old)))
+        assert _fields(again) == _fields(option)
+        assert again.to_json()["kind"] == "recompute"
+    plan = MemoryPlan([torch.nn.Linear(4, 4)], [LayerChoice(0, "Block", _EVERY_OPTION[4], 1, 2, 3, 0.001)],
+                      {"Block": [_MM, _GELU]}, active_backend().prober(), budget_bytes=1 << 20,
+                      predicted_peak_bytes=1 << 19, peak_at="bwd 0", predicted_step_s=0.1, lower_bound_step_s=0.1,
+                      min_budget_bytes=1 << 18, reference_peak_bytes=1 << 20, reference_step_s=0.1, device="cpu")
+    text = json.loads(plan.to_json())
+    assert text["layers"][0]["option"]["kind"] == "recompute"
+    text["layers"][0]["option"]["kind"] = "checkpoint"
+    again = MemoryPlan.from_json(json.dumps(text), [torch.nn.Linear(4, 4)])
+    assert _fields(again.choices[0].option) == _fields(_EVERY_OPTION[4])
 
 
 def test_a_memory_plan_survives_json_field_by_field():

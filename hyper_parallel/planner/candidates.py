@@ -43,7 +43,7 @@ _RETAINED = ("own_gap", "fwd_age1", "old", "input_kept", "bwd_prev", "last_head"
 
 ZERO = Effect({r: 0 for r in RELATIONS}, 0.0, measured=True)
 #: the options every model is calibrated on (measured first)
-RECOMPUTE_SWAP_INPUTS = LayerOption("checkpoint", swap_inputs=True, label="recompute, swap inputs")
+RECOMPUTE_SWAP_INPUTS = LayerOption("recompute", swap_inputs=True, label="recompute, swap inputs")
 SWAP_ALL = LayerOption("swap", MIN_SWAP_BYTES, label="swap")
 
 
@@ -136,8 +136,8 @@ def candidate_options(ltype: LayerType, overlaps: bool, bytes_per_s: float) -> L
             out.append(LayerOption("swap", size, label=f"swap >= {size} B"))
     expensive = _expensive_keys(ltype)
     if expensive:
-        out.append(LayerOption("checkpoint", keep=tuple((k, "save") for k in expensive), label="save matmuls"))
-        out.append(LayerOption("checkpoint", keep=tuple((k, "swap") for k in expensive), swap_inputs=True,
+        out.append(LayerOption("recompute", keep=tuple((k, "save") for k in expensive), label="save matmuls"))
+        out.append(LayerOption("recompute", keep=tuple((k, "swap") for k in expensive), swap_inputs=True,
                                label="swap matmuls + inputs"))
 
     def drop(u: Unit) -> Tuple[str, float]:
@@ -154,7 +154,7 @@ def candidate_options(ltype: LayerType, overlaps: bool, bytes_per_s: float) -> L
             if not keep:
                 continue  # whole-layer recompute, above
             label = f"keep {k} of {len(ranked)}" + (", swap inputs" if inputs else "")
-            out.append(LayerOption("checkpoint", keep=tuple(sorted(keep)), swap_inputs=inputs, label=label))
+            out.append(LayerOption("recompute", keep=tuple(sorted(keep)), swap_inputs=inputs, label=label))
     unique: Dict[LayerOption, LayerOption] = {}
     for option in out:
         unique.setdefault(option, option)
@@ -177,7 +177,7 @@ def model_effect(option: LayerOption, ltype: LayerType, cal: Calibration) -> Eff
             effect[r] += kept
         share = (sum(moved) / sum(all_moved)) if all_moved else 0.0
         return Effect(effect, cal.swap_all.seconds * share)
-    # checkpoint
+    # recompute
     base = cal.recompute_swap_inputs if option.swap_inputs else cal.recompute
     if option.whole_recompute:
         return base
@@ -204,7 +204,7 @@ def fit(cal: Calibration, option: LayerOption, ltype: LayerType, measured: Effec
     """Learn from a measured option what the models do not know: the engine's seconds per op call
     of a selective region (from the first selective checkpoint measured) and per swapped tensor
     (from swap-everything)."""
-    if option.kind == "checkpoint" and option.keep and "per_call" not in cal.fitted:
+    if option.kind == "recompute" and option.keep and "per_call" not in cal.fitted:
         cal.per_call_s = 0.0
         plain = model_effect(option, ltype, cal).seconds
         cal.per_call_s = max(0.0, (measured.seconds - plain) / max(1, 2 * cal.op_calls))

@@ -82,7 +82,7 @@ from mindspore.utils import MsDispatchMode
 
 from hyper_parallel.core.backend import Backend, active_backend
 from hyper_parallel.planner.options import OpKey
-from hyper_parallel.planner.chain_prober import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
+from hyper_parallel.planner.chain_prober import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, layer_output, tensors_in
 from hyper_parallel.planner.step_state import StepState
 
 from . import _shim
@@ -813,7 +813,7 @@ class MindSporeProber(ChainProber):
 
     # ------------------------------------------------------------------ probes
     @contextlib.contextmanager
-    def _kept(self, source: "_ProbeInput", copies: Sequence[nn.Cell], watch: bool) -> Iterator[_StepState]:
+    def _restored_after(self, source: "_ProbeInput", copies: Sequence[nn.Cell], watch: bool) -> Iterator[_StepState]:
         """A probe leaves the program as it found it: the default generator, and every tensor
         outside the probe's copies that it writes in place (a hook of the layer that uses a cell of
         the model). ``watch``: find those tensors with the trace mode, which a live-tensor meter
@@ -836,7 +836,7 @@ class MindSporeProber(ChainProber):
     @contextlib.contextmanager
     def _chain_meter(self, source: "_ProbeInput",
                      copies: Sequence[nn.Cell]) -> Iterator[Tuple[Any, List[Any]]]:
-        with self._kept(source, copies, watch=False) as state:
+        with self._restored_after(source, copies, watch=False) as state:
             try:
                 inputs = source.inputs(len(copies))
                 with contextlib.ExitStack() as stack:
@@ -986,7 +986,7 @@ class _ProbeInput:
 
         def chain(h: Tensor) -> Tensor:
             for layer, (rest, kwargs) in zip(copies, calls):
-                h = hidden(layer(h, *rest, **kwargs), Tensor)
+                h = layer_output(layer(h, *rest, **kwargs), Tensor)
             return h
 
         out, vjp_fn = ms.vjp(chain, x, weights=weights or None)

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hyper_parallel.core.backend import Backend
 from hyper_parallel.integrations import find_layer_stack
 from hyper_parallel.planner.options import OpKey
-from hyper_parallel.planner.chain_prober import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
+from hyper_parallel.planner.chain_prober import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, layer_output, tensors_in
 from hyper_parallel.planner.step_state import StepState
 from hyper_parallel.tools.clock import no_gc, step_clock
 from hyper_parallel.tools.gc_pause import live_objects
@@ -69,8 +69,8 @@ class _StepState(StepState):
             if grad is not None:
                 self.keep(grad)
 
-    def again(self) -> "_StepState":
-        other = cast(_StepState, super().again())
+    def fresh_snapshot(self) -> "_StepState":
+        other = cast(_StepState, super().fresh_snapshot())
         for leaf, _ in self.leaves.values():
             other.see_leaf(leaf)
         return other
@@ -312,7 +312,7 @@ class TorchProber(ChainProber):
         return step_clock(device)  # (steps, probes and ops are timed as the benchmarks time them)
 
     def _timing_mode(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # (what a timed run changes, _kept puts back)
+        return contextlib.nullcontext()  # (what a timed run changes, _restored_after puts back)
 
     def _no_grad(self) -> contextlib.AbstractContextManager:
         return torch.no_grad()
@@ -384,7 +384,7 @@ class TorchProber(ChainProber):
 
     # ------------------------------------------------------------------ probes
     @contextlib.contextmanager
-    def _kept(self, source: "_ProbeInput", copies: Sequence[torch.nn.Module], watch: bool) -> Iterator[_StepState]:
+    def _restored_after(self, source: "_ProbeInput", copies: Sequence[torch.nn.Module], watch: bool) -> Iterator[_StepState]:
         """A probe leaves the program as it found it: the generators (probes draw dropout masks too)
         and every tensor outside the probe's copies that it wrote in place (a hook of the layer using
         a module of the model, e.g. a BatchNorm's statistics). ``watch``: find those tensors with a
@@ -407,7 +407,7 @@ class TorchProber(ChainProber):
     @contextlib.contextmanager
     def _chain_meter(self, source: "_ProbeInput",
                      copies: Sequence[torch.nn.Module]) -> Iterator[Tuple[MemoryMeter, List[Any]]]:
-        with self._kept(source, copies, watch=True):
+        with self._restored_after(source, copies, watch=True):
             inputs = source.inputs(len(copies))
             tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
             with MemoryMeter(source.device, track=[copies, tensors], scan_gc=False) as meter, no_gc():
@@ -527,7 +527,7 @@ class _ProbeInput:
         h = x.detach().requires_grad_(True).clone() if self.requires_grad else x
         with self._as_in_the_step():
             for layer, (rest, kwargs) in zip(copies, calls):
-                h = hidden(layer(h, *rest, **kwargs), torch.Tensor)
+                h = layer_output(layer(h, *rest, **kwargs), torch.Tensor)
         return h
 
 
