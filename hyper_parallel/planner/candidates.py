@@ -39,7 +39,7 @@ __all__ = ["MIN_SWAP_BYTES", "Unit", "units_of", "swapped_sizes", "kept_units", 
 MIN_SWAP_BYTES = 64 << 10
 _SIZE_CLASSES = 6  # swap_wrapper thresholds weighed per layer type
 #: relations where what a layer keeps for its backward is on the device
-_RETAINED = ("own_gap", "fwd_age1", "old", "input_kept", "bwd_prev", "last_head")
+_RETAINED = ("own_gap", "next_fwd", "later", "input_kept", "next_bwd", "last_head")
 
 ZERO = Effect({r: 0 for r in RELATIONS}, 0.0, measured=True)
 #: the options every model is calibrated on (measured first)
@@ -190,9 +190,9 @@ def model_effect(option: LayerOption, ltype: LayerType, cal: Calibration) -> Eff
     for r in _RETAINED:
         effect[r] += saved_bytes
     if cal.overlaps:
-        effect["fwd_age1"] += swapped_bytes  # still in flight while the next layer runs
+        effect["next_fwd"] += swapped_bytes  # still in flight while the next layer runs
         effect["last_head"] += swapped_bytes  # the last layer's swapped outputs stay (nothing follows)
-        effect["input_kept"] = max(effect["input_kept"], effect["fwd_age1"])
+        effect["input_kept"] = max(effect["input_kept"], effect["next_fwd"])
     effect["own_fwd"] += saved_bytes + swapped_bytes
     effect["last_fwd"] += saved_bytes + swapped_bytes
     seconds = (base.seconds - avoided + _swap_cost(cal, swapped_bytes, sum(u.calls for u in swapped))

@@ -50,7 +50,7 @@ __all__ = ["ChainProber", "ProbeSource", "LayerLog", "StepTrace", "OpTimes", "la
 
 #: Timed runs per measurement (a probe's chain, an op-timing forward, a copy); the fastest counts.
 PROBE_REPEATS = 3
-#: Bytes added to every relation of a wrapped layer's effect but ``after``: the small allocations
+#: Bytes added to every relation of a wrapped layer's effect but ``after_bwd``: the small allocations
 #: of the engine and of the framework's checkpoint around a wrapped layer (random-number states,
 #: handles), a few hundred bytes that two peaks measured at different moments can miss.
 SLACK_BYTES = 4 << 10
@@ -663,7 +663,7 @@ def _differences(run: Dict[str, Tuple[int, int, int]], reference: Dict[str, Tupl
 def _chain_effect(middle: Dict[str, Tuple[int, int, int]], last: Dict[str, Tuple[int, int, int]]) -> Dict[str, int]:
     """An option's bytes per relation (``profile.RELATIONS``) from the differences it made to the
     segments of the middle chain (on the second of four copies) and of the last chain (on the last
-    of two), with :data:`SLACK_BYTES` on every relation but ``after``. A segment where the wrapped
+    of two), with :data:`SLACK_BYTES` on every relation but ``after_bwd``. A segment where the wrapped
     copy runs (its own forward or backward) counts the difference at its peak, where its own work
     is; in any other the copy only holds what it keeps, and what it keeps can change within the
     segment (the step's objects die at the end of the forward, a load lands): the largest
@@ -672,16 +672,16 @@ def _chain_effect(middle: Dict[str, Tuple[int, int, int]], last: Dict[str, Tuple
     held = {k: max(v) for k, v in middle.items()}
     old = max(held["gap 2"], held["fwd 3"], held["gap 3"], held["bwd 3"])
     effect = {
-        "own_fwd": middle["fwd 1"][1], "own_gap": held["gap 1"], "fwd_age1": held["fwd 2"], "old": old,
-        "bwd_prev": held["bwd 2"], "own_bwd": middle["bwd 1"][1],
-        "after": max(held["bwd 0"], max(last["bwd 0"])),
+        "own_fwd": middle["fwd 1"][1], "own_gap": held["gap 1"], "next_fwd": held["fwd 2"], "later": old,
+        "next_bwd": held["bwd 2"], "own_bwd": middle["bwd 1"][1],
+        "after_bwd": max(held["bwd 0"], max(last["bwd 0"])),
         # (the loss head's segment runs on into the backward: the state its own backward starts in)
         "last_fwd": last["fwd 1"][1], "last_head": max(max(last["gap 1"]), last["bwd 1"][0]),
         "last_bwd": last["bwd 1"][1],
     }
-    effect["input_kept"] = max(effect["fwd_age1"], old)
+    effect["input_kept"] = max(effect["next_fwd"], old)
     assert set(effect) == set(RELATIONS)
     for relation in RELATIONS:  # what a wrapped layer keeps that a difference of peaks can miss
-        if relation != "after":
+        if relation != "after_bwd":
             effect[relation] += SLACK_BYTES
     return effect
