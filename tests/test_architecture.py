@@ -67,7 +67,7 @@ NEUTRAL_PLANNER = sorted(f[:-3] for f in os.listdir(PLANNER)
 
 
 def test_the_planner_but_its_framework_parts_imports_no_framework():
-    assert {"probing", "distributed", "pipeline", "planning", "plan"} <= set(NEUTRAL_PLANNER)
+    assert {"chain_prober", "distributed", "pipeline", "plan_memory", "memory_plan"} <= set(NEUTRAL_PLANNER)
     modules = ["hyper_parallel.planner"] + [f"hyper_parallel.planner.{m}" for m in NEUTRAL_PLANNER] + \
         ["hyper_parallel.tools.gc_pause"]
     code = (f"import sys, importlib\nfor m in {modules!r}: importlib.import_module(m)\n"
@@ -87,7 +87,7 @@ def test_the_planner_but_its_framework_parts_imports_no_framework():
 def test_each_prober_is_the_chain_prober_on_its_primitives():
     """The probers share the algorithm (``ChainProber``): each implements every primitive, and
     neither defines a method of the algorithm again (one path per behaviour)."""
-    from hyper_parallel.planner.probing import ChainProber
+    from hyper_parallel.planner.chain_prober import ChainProber
     from hyper_parallel.backends.torch.prober import TorchProber
 
     assert not TorchProber.__abstractmethods__
@@ -101,7 +101,7 @@ def test_each_prober_is_the_chain_prober_on_its_primitives():
 
 
 def test_architecture_doc_lists_every_prober_primitive():
-    from hyper_parallel.planner.probing import ChainProber
+    from hyper_parallel.planner.chain_prober import ChainProber
 
     doc = open(os.path.join(os.path.dirname(PACKAGE), "docs", "architecture.md")).read()
     missing = sorted(name for name in ChainProber.__abstractmethods__ if f"`{name}`" not in doc)
@@ -165,7 +165,7 @@ def test_both_probers_have_every_method_of_the_prober_protocol():
         cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
         return {f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
-    shared = methods(os.path.join(PLANNER, "probing.py"), "ChainProber")
+    shared = methods(os.path.join(PLANNER, "chain_prober.py"), "ChainProber")
     assert {"profile_step", "probe", "op_seconds"} <= wanted
     for path, name in zip(PROBERS, ("TorchProber", "MindSporeProber")):
         missing = sorted(wanted - methods(path, name) - shared)

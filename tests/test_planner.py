@@ -21,7 +21,7 @@ from hyper_parallel.core.backend import active_backend
 from hyper_parallel.planner import OpKey, OpTablePolicy, Planner, format_bytes, parse_budget
 from hyper_parallel.planner import candidates as cand
 from hyper_parallel.planner.options import LayerOption
-from hyper_parallel.planner.plan import LayerChoice
+from hyper_parallel.planner.memory_plan import LayerChoice
 from hyper_parallel.planner import segments, solver
 from hyper_parallel.planner.cost import predict, segment_bytes
 from hyper_parallel.planner.profile import RELATIONS, Effect, LayerRecord, LayerType, OpRecord, Segment, StepProfile
@@ -49,7 +49,7 @@ def test_parse_budget_reads_units_and_refuses_nonsense():
 
 # ------------------------------------------------------------------------------ the solver
 def _synthetic(layers: int, options: int, rng: random.Random, after: int = 0) -> solver.Problem:
-    """Random options of negative effects, except ``after`` (what a layer leaves once its backward
+    """Random options of negative effects, except ``after_bwd`` (what a layer leaves once its backward
     has run, e.g. a buffer it allocates there): up to ``after`` bytes more (0: none)."""
     segments = [Segment("pre", -1, 0, 100)]
     for j in range(layers):
@@ -58,7 +58,7 @@ def _synthetic(layers: int, options: int, rng: random.Random, after: int = 0) ->
     opts = [cand.ZERO]
     for _ in range(options - 1):
         effect = {r: -rng.randint(0, 20) for r in RELATIONS}
-        effect["after"] = rng.randint(0, after) if after else 0
+        effect["after_bwd"] = rng.randint(0, after) if after else 0
         opts.append(Effect(effect, rng.random()))
     return solver.Problem(segments, [opts] * layers)
 
@@ -124,7 +124,7 @@ def test_with_micro_batches_in_flight_each_other_one_keeps_what_the_plan_leaves(
 
 def test_programme_counts_what_later_layers_leave_after_their_backward():
     """Layers whose effect after their backward is not zero: a segment of layer ``j``'s backward
-    carries the ``after`` effects of every layer after ``j``, which the programme has placed
+    carries the ``after_bwd`` effects of every layer after ``j``, which the programme has placed
     already; a choice it returns fits by the exact prediction, and the smallest peak it reports is
     at least its choice's."""
     rng = random.Random(3)
@@ -217,13 +217,13 @@ def test_prediction_adds_each_layers_effect_where_it_stands():
                           [LayerRecord(0, "T", [], [], 0), LayerRecord(1, "T", [], [], 0)], {}, 10, 100, 1.0,
                           0, 0, 1e9, False)
     e = Effect({r: -1 for r in RELATIONS}, 0.25)
-    e.bytes.update(old=-30, own_gap=-30, last_head=-20, fwd_age1=-30, input_kept=-25)
+    e.bytes.update(later=-30, own_gap=-30, last_head=-20, next_fwd=-30, input_kept=-25)
     p = predict(profile, [e, e])
     assert p.step_s == 1.5
     # gap 1 (the head): layer 0's input is never offloaded (nothing ends after the next layer): it
     # stands as such a layer does from the head on (input_kept), layer 1 as the last
     assert segment_bytes(profile.segments[4], [e, e]) == 100 - 25 - 20
-    # fwd 1: the next layer's forward (fwd_age1) for layer 0, its own for layer 1
+    # fwd 1: the next layer's forward (next_fwd) for layer 0, its own for layer 1
     assert segment_bytes(profile.segments[3], [e, e]) == 90 - 30 - 1
     assert p.peak_bytes == max(segment_bytes(s, [e, e]) for s in profile.segments)
 
@@ -395,10 +395,10 @@ _EVERY_OPTION = [
     LayerOption("none", label="none"),
     LayerOption("swap"),
     LayerOption("swap", swap_min_bytes=4096, label="swap >= 4 KiB"),
-    LayerOption("checkpoint", label="recompute"),
-    LayerOption("checkpoint", keep=((_MM, "save"), (_GELU, "swap")), label="keep mm, swap gelu"),
-    LayerOption("checkpoint", swap_inputs=True),
-    LayerOption("checkpoint", keep=((_GELU, "save"),), swap_inputs=True, label="keep gelu + inputs"),
+    LayerOption("recompute", label="recompute"),
+    LayerOption("recompute", keep=((_MM, "save"), (_GELU, "swap")), label="keep mm, swap gelu"),
+    LayerOption("recompute", swap_inputs=True),
+    LayerOption("recompute", keep=((_GELU, "save"),), swap_inputs=True, label="keep gelu + inputs"),
 ]
 
 
@@ -413,6 +413,27 @@ def test_a_layer_option_survives_json_field_by_field(option):
     of option comes back as it was (``==`` skips the label: compared field by field)."""
     again = LayerOption.from_json(json.loads(json.dumps(option.to_json())))
     assert _fields(again) == _fields(option)
+
+
+def test_a_plan_written_with_the_old_kind_name_loads():
+    """Plans written before the option kind ``"checkpoint"`` was named ``"recompute"`` (what it
+    does) still load, as the same options; they are written back with the new name."""
+    for option in _EVERY_OPTION:
+        if option.kind != "recompute":
+            continue
+        old = {**option.to_json(), "kind": "checkpoint"}
+        again = LayerOption.from_json(json.loads(json.dumps(old)))
+        assert _fields(again) == _fields(option)
+        assert again.to_json()["kind"] == "recompute"
+    plan = MemoryPlan([torch.nn.Linear(4, 4)], [LayerChoice(0, "Block", _EVERY_OPTION[4], 1, 2, 3, 0.001)],
+                      {"Block": [_MM, _GELU]}, active_backend().prober(), budget_bytes=1 << 20,
+                      predicted_peak_bytes=1 << 19, peak_at="bwd 0", predicted_step_s=0.1, lower_bound_step_s=0.1,
+                      min_budget_bytes=1 << 18, reference_peak_bytes=1 << 20, reference_step_s=0.1, device="cpu")
+    text = json.loads(plan.to_json())
+    assert text["layers"][0]["option"]["kind"] == "recompute"
+    text["layers"][0]["option"]["kind"] = "checkpoint"
+    again = MemoryPlan.from_json(json.dumps(text), [torch.nn.Linear(4, 4)])
+    assert _fields(again.choices[0].option) == _fields(_EVERY_OPTION[4])
 
 
 def test_a_memory_plan_survives_json_field_by_field():

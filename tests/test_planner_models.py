@@ -83,7 +83,7 @@ def test_a_whole_model_is_planned_within_its_budget_and_trains_bitwise(kind):
     assert meter.peak_bytes <= budget, plan.report()
     # A recomputed layer trains without a KV cache (Hugging Face's rule, which the plan keeps): so
     # does the reference where the plan recomputes (GPT-2's last bits depend on it).
-    recomputes = any(c.option.kind == "checkpoint" for c in plan.choices)
+    recomputes = any(c.option.kind == "recompute" for c in plan.choices)
     reference = _train(copy.deepcopy(base), use_cache=False if recomputes else None)
     model = copy.deepcopy(base)
     MemoryPlan.from_json(plan.to_json(), model).apply()
@@ -139,7 +139,7 @@ def test_expert_calls_the_profile_did_not_see_get_the_default_and_are_counted():
     seen = plan.seen[plan.choices[0].type_key]
     keep = tuple((k, "save") for k in seen if k.label == "aten.addmm.default")
     assert keep
-    option = LayerOption("checkpoint", keep=keep, label="test: save the expert matmuls the profile saw")
+    option = LayerOption("recompute", keep=keep, label="test: save the expert matmuls the profile saw")
     forced = MemoryPlan(plan.layers, [LayerChoice(c.index, c.type_key, option, 0, 0, 0, 0.0) for c in plan.choices],
                         plan.seen, plan._prober, budget_bytes=plan.budget_bytes, predicted_peak_bytes=0, peak_at="",
                         predicted_step_s=0.0, lower_bound_step_s=0.0, min_budget_bytes=0, reference_peak_bytes=0,

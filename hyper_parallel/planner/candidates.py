@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .options import NONE, RECOMPUTE, LayerOption, OpKey
-from .profile import RELATIONS, Effect, LayerType
+from .profile import RELATIONS, Effect, LayerRecord, LayerType
 
-__all__ = ["MIN_SWAP_BYTES", "Unit", "units_of", "candidate_options", "Calibration", "model_effect", "fit", "ZERO",
+__all__ = ["MIN_SWAP_BYTES", "Unit", "units_of", "swapped_sizes", "kept_units", "candidate_options", "Calibration", "model_effect", "fit", "ZERO",
            "RECOMPUTE", "RECOMPUTE_SWAP_INPUTS", "SWAP_ALL"]
 
 #: Saved tensors below this many bytes are never swapped: moving them costs a copy launch, a
@@ -39,11 +39,11 @@ __all__ = ["MIN_SWAP_BYTES", "Unit", "units_of", "candidate_options", "Calibrati
 MIN_SWAP_BYTES = 64 << 10
 _SIZE_CLASSES = 6  # swap_wrapper thresholds weighed per layer type
 #: relations where what a layer keeps for its backward is on the device
-_RETAINED = ("own_gap", "fwd_age1", "old", "input_kept", "bwd_prev", "last_head")
+_RETAINED = ("own_gap", "next_fwd", "later", "input_kept", "next_bwd", "last_head")
 
 ZERO = Effect({r: 0 for r in RELATIONS}, 0.0, measured=True)
 #: the options every model is calibrated on (measured first)
-RECOMPUTE_SWAP_INPUTS = LayerOption("checkpoint", swap_inputs=True, label="recompute, swap inputs")
+RECOMPUTE_SWAP_INPUTS = LayerOption("recompute", swap_inputs=True, label="recompute, swap inputs")
 SWAP_ALL = LayerOption("swap", MIN_SWAP_BYTES, label="swap")
 
 
@@ -72,6 +72,19 @@ def units_of(ltype: LayerType) -> List[Unit]:
         unit.seconds += op.seconds
         unit.calls += 1
     return list(out.values())
+
+
+def swapped_sizes(option: LayerOption, record: LayerRecord) -> List[int]:
+    """The sizes of the saved tensors that the whole-layer swap ``option`` moves (the rest stay)."""
+    return [s for s in record.saved_sizes if s >= max(option.swap_min_bytes, MIN_SWAP_BYTES)]
+
+
+def kept_units(option: LayerOption, ltype: LayerType) -> Tuple[List[Unit], List[Unit]]:
+    """The units whose outputs the selective ``option`` saves, and those it swaps."""
+    units = {u.key: u for u in units_of(ltype)}
+    saved = [units[k] for k, a in option.keep if a == "save" and k in units]
+    swapped = [units[k] for k, a in option.keep if a == "swap" and k in units]
+    return saved, swapped
 
 
 def _expensive_keys(ltype: LayerType) -> List[OpKey]:
@@ -123,8 +136,8 @@ def candidate_options(ltype: LayerType, overlaps: bool, bytes_per_s: float) -> L
             out.append(LayerOption("swap", size, label=f"swap >= {size} B"))
     expensive = _expensive_keys(ltype)
     if expensive:
-        out.append(LayerOption("checkpoint", keep=tuple((k, "save") for k in expensive), label="save matmuls"))
-        out.append(LayerOption("checkpoint", keep=tuple((k, "swap") for k in expensive), swap_inputs=True,
+        out.append(LayerOption("recompute", keep=tuple((k, "save") for k in expensive), label="save matmuls"))
+        out.append(LayerOption("recompute", keep=tuple((k, "swap") for k in expensive), swap_inputs=True,
                                label="swap matmuls + inputs"))
 
     def drop(u: Unit) -> Tuple[str, float]:
@@ -141,7 +154,7 @@ def candidate_options(ltype: LayerType, overlaps: bool, bytes_per_s: float) -> L
             if not keep:
                 continue  # whole-layer recompute, above
             label = f"keep {k} of {len(ranked)}" + (", swap inputs" if inputs else "")
-            out.append(LayerOption("checkpoint", keep=tuple(sorted(keep)), swap_inputs=inputs, label=label))
+            out.append(LayerOption("recompute", keep=tuple(sorted(keep)), swap_inputs=inputs, label=label))
     unique: Dict[LayerOption, LayerOption] = {}
     for option in out:
         unique.setdefault(option, option)
@@ -157,30 +170,29 @@ def model_effect(option: LayerOption, ltype: LayerType, cal: Calibration) -> Eff
         if cal.swap_all is None:
             return ZERO
         kept = sum(s for s in record.saved_sizes if MIN_SWAP_BYTES <= s < option.swap_min_bytes)
-        moved = [s for s in record.saved_sizes if s >= max(option.swap_min_bytes, MIN_SWAP_BYTES)]
+        moved = swapped_sizes(option, record)
         all_moved = [s for s in record.saved_sizes if s >= MIN_SWAP_BYTES]
         effect = dict(cal.swap_all.bytes)
         for r in _RETAINED + ("own_fwd", "last_fwd", "own_bwd", "last_bwd"):
             effect[r] += kept
         share = (sum(moved) / sum(all_moved)) if all_moved else 0.0
         return Effect(effect, cal.swap_all.seconds * share)
-    # checkpoint
+    # recompute
     base = cal.recompute_swap_inputs if option.swap_inputs else cal.recompute
     if option.whole_recompute:
         return base
-    units = {u.key: u for u in units_of(ltype)}
     kept_ops = dict(option.keep)
-    saved_bytes = sum(units[k].bytes for k, a in option.keep if a == "save" and k in units)
-    swapped = [units[k] for k, a in option.keep if a == "swap" and k in units]
+    saved, swapped = kept_units(option, ltype)
+    saved_bytes = sum(u.bytes for u in saved)
     swapped_bytes = sum(u.bytes for u in swapped)
-    avoided = sum(u.seconds for k, u in units.items() if k in kept_ops)
+    avoided = sum(u.seconds for u in units_of(ltype) if u.key in kept_ops)
     effect = dict(base.bytes)
     for r in _RETAINED:
         effect[r] += saved_bytes
     if cal.overlaps:
-        effect["fwd_age1"] += swapped_bytes  # still in flight while the next layer runs
+        effect["next_fwd"] += swapped_bytes  # still in flight while the next layer runs
         effect["last_head"] += swapped_bytes  # the last layer's swapped outputs stay (nothing follows)
-        effect["input_kept"] = max(effect["input_kept"], effect["fwd_age1"])
+        effect["input_kept"] = max(effect["input_kept"], effect["next_fwd"])
     effect["own_fwd"] += saved_bytes + swapped_bytes
     effect["last_fwd"] += saved_bytes + swapped_bytes
     seconds = (base.seconds - avoided + _swap_cost(cal, swapped_bytes, sum(u.calls for u in swapped))
@@ -192,7 +204,7 @@ def fit(cal: Calibration, option: LayerOption, ltype: LayerType, measured: Effec
     """Learn from a measured option what the models do not know: the engine's seconds per op call
     of a selective region (from the first selective checkpoint measured) and per swapped tensor
     (from swap-everything)."""
-    if option.kind == "checkpoint" and option.keep and "per_call" not in cal.fitted:
+    if option.kind == "recompute" and option.keep and "per_call" not in cal.fitted:
         cal.per_call_s = 0.0
         plain = model_effect(option, ltype, cal).seconds
         cal.per_call_s = max(0.0, (measured.seconds - plain) / max(1, 2 * cal.op_calls))

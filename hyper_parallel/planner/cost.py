@@ -21,7 +21,14 @@ from typing import Container, List, Optional, Sequence, Tuple
 
 from .profile import Effect, Segment, StepProfile
 
-__all__ = ["relation", "contributions", "Prediction", "predict", "segment_bytes"]
+__all__ = ["unretried", "relation", "contributions", "Prediction", "predict", "segment_bytes"]
+
+
+def unretried(i: int, layers: int, held: Container[int] = ()) -> bool:
+    """Whether the layer chain never offloads layer ``i``'s input (of ``layers``): the second to
+    last layer (nothing ends after the last), and a layer whose input the model holds (``held``).
+    Such a layer keeps ``next_fwd`` (then ``input_kept``) where the others keep ``later``."""
+    return i == layers - 2 or i in held
 
 
 def relation(i: int, segment: Segment, layers: int, held: Container[int] = ()
@@ -31,15 +38,15 @@ def relation(i: int, segment: Segment, layers: int, held: Container[int] = ()
 
     The layer chain offloads a layer's input (skipped while the caller still held it) when the
     layer after next ends. Where that never frees it, the layer keeps the state of the next
-    layer's forward (``fwd_age1``) through the forward: the second to last layer (nothing ends
+    layer's forward (``next_fwd``) through the forward: the second to last layer (nothing ends
     after the last), and a layer whose input the model itself holds on to (``held``: the first
     layer of a Hugging Face model, whose embeddings its forward keeps). From the loss head on,
     where the step's own objects die (a cache in the model's outputs), it keeps the larger of that
     state and the one of a layer whose input was offloaded (``input_kept``); its backward, and the
-    one of the layer after it, hold the input on top of theirs (``input_kept - old`` more)."""
+    one of the layer after it, hold the input on top of theirs (``input_kept - later`` more)."""
     kind, j = segment.kind, segment.layer
     last = i == layers - 1
-    unretried = i == layers - 2 or i in held
+    kept_input = unretried(i, layers, held)
     if kind == "pre":
         return None
     if kind in ("fwd", "gap") and j < i:
@@ -49,29 +56,29 @@ def relation(i: int, segment: Segment, layers: int, held: Container[int] = ()
     if kind == "gap" and j == i:
         return (("last_head" if last else "own_gap", 1),)
     if kind == "fwd" and j == i + 1:
-        return (("fwd_age1", 1),)
+        return (("next_fwd", 1),)
     if kind in ("fwd", "gap"):
-        if not unretried:
-            return (("old", 1),)
-        return (("input_kept" if kind == "gap" and j == layers - 1 else "fwd_age1", 1),)
+        if not kept_input:
+            return (("later", 1),)
+        return (("input_kept" if kind == "gap" and j == layers - 1 else "next_fwd", 1),)
     # kind == "bwd"
     if j < i:
-        return (("after", 1),)
+        return (("after_bwd", 1),)
     if j == i and last:
         return (("last_bwd", 1),)
     if j > i + 1:
-        return (("input_kept" if unretried else "old", 1),)
-    name = "own_bwd" if j == i else "bwd_prev"
-    return ((name, 1), ("input_kept", 1), ("old", -1)) if unretried else ((name, 1),)
+        return (("input_kept" if kept_input else "later", 1),)
+    name = "own_bwd" if j == i else "next_bwd"
+    return ((name, 1), ("input_kept", 1), ("later", -1)) if kept_input else ((name, 1),)
 
 
 def contributions(i: int, segment: Segment, layers: int, held: Container[int] = ()
                   ) -> Tuple[Tuple[str, int], ...]:
     """Every effect of layer ``i`` on ``segment``, with its multiplicity: its :func:`relation` in
-    the segment's micro-step, and ``after`` once per earlier micro-step (gradient accumulation:
+    the segment's micro-step, and ``after_bwd`` once per earlier micro-step (gradient accumulation:
     each micro-batch's forward + backward through the layer is over by then)."""
     rel = relation(i, segment, layers, held) or ()
-    return rel + (("after", segment.micro_step),) if segment.micro_step else rel
+    return rel + (("after_bwd", segment.micro_step),) if segment.micro_step else rel
 
 
 def segment_bytes(segment: Segment, effects: Sequence[Effect], held: Container[int] = ()) -> int:

@@ -5,7 +5,7 @@ A :class:`LayerOption` is one way of wrapping a layer through the public API:
 - ``none``: the layer is left as it is (everything autograd saves stays on the device);
 - ``swap``: ``swap_wrapper(layer, policy_fn=SwapAtLeast(n))``: every saved tensor of at least
   ``n`` bytes is swapped, smaller ones stay;
-- ``checkpoint``: ``checkpoint_wrapper(layer, policy_fn=OpTablePolicy(...), swap_inputs=...)``:
+- ``recompute``: ``checkpoint_wrapper(layer, policy_fn=OpTablePolicy(...), swap_inputs=...)``:
   the ops named in ``keep`` keep their outputs (SAVE) or swap them (SWAP), every other op is
   recomputed; without ``keep`` the layer is recomputed whole (no policy, no dispatch mode).
 
@@ -49,8 +49,10 @@ class OpKey:
         return f"{self.label}({args})"
 
 
-_KINDS = ("none", "swap", "checkpoint")
+_KINDS = ("none", "swap", "recompute")
 _ACTIONS = ("save", "swap")
+#: kinds that plans written earlier use, and what they are now
+_LEGACY_KINDS = {"checkpoint": "recompute"}
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,9 @@ class LayerOption:
     kind: str
     #: swap: the smallest saved tensor (bytes) that is swapped
     swap_min_bytes: int = 0
-    #: checkpoint: ``(op, "save" | "swap")`` for the ops whose outputs are kept; the rest recompute
+    #: recompute: ``(op, "save" | "swap")`` for the ops whose outputs are kept; the rest recompute
     keep: Tuple[Tuple[OpKey, str], ...] = ()
-    #: checkpoint: the region's saved inputs are swapped too
+    #: recompute: the region's saved inputs are swapped too
     swap_inputs: bool = False
     #: a short name for reports (not part of the option's identity)
     label: str = field(default="", compare=False)
@@ -73,8 +75,8 @@ class LayerOption:
             raise ValueError(f"LayerOption.kind must be one of {_KINDS}, got {self.kind!r}")
         if any(action not in _ACTIONS for _, action in self.keep):
             raise ValueError(f"LayerOption.keep actions must be one of {_ACTIONS}")
-        if self.kind != "checkpoint" and (self.keep or self.swap_inputs):
-            raise ValueError("LayerOption: keep and swap_inputs apply to kind='checkpoint' only")
+        if self.kind != "recompute" and (self.keep or self.swap_inputs):
+            raise ValueError("LayerOption: keep and swap_inputs apply to kind='recompute' only")
 
     @property
     def swaps(self) -> bool:
@@ -83,7 +85,7 @@ class LayerOption:
 
     @property
     def whole_recompute(self) -> bool:
-        return self.kind == "checkpoint" and not self.keep
+        return self.kind == "recompute" and not self.keep
 
     def name(self) -> str:
         return self.label or self.describe()
@@ -109,7 +111,7 @@ class LayerOption:
         out: Dict[str, Any] = {"kind": self.kind}
         if self.kind == "swap":
             out["swap_min_bytes"] = self.swap_min_bytes
-        if self.kind == "checkpoint":
+        if self.kind == "recompute":
             out["keep"] = [[key.to_json(), action] for key, action in self.keep]
             out["swap_inputs"] = self.swap_inputs
         if self.label:
@@ -119,12 +121,13 @@ class LayerOption:
     @staticmethod
     def from_json(value: Dict[str, Any]) -> "LayerOption":
         keep = tuple((OpKey.from_json(k), str(a)) for k, a in value.get("keep", ()))
-        return LayerOption(str(value["kind"]), int(value.get("swap_min_bytes", 0)), keep,
+        kind = str(value["kind"])
+        return LayerOption(_LEGACY_KINDS.get(kind, kind), int(value.get("swap_min_bytes", 0)), keep,
                            bool(value.get("swap_inputs", False)), str(value.get("label", "")))
 
 
 NONE = LayerOption("none", label="none")
-RECOMPUTE = LayerOption("checkpoint", label="recompute")
+RECOMPUTE = LayerOption("recompute", label="recompute")
 
 _POLICY = {"save": CheckpointPolicy.MUST_SAVE, "swap": CheckpointPolicy.MUST_SWAP}
 
@@ -158,7 +161,7 @@ class OpTablePolicy:
     @staticmethod
     def for_option(option: LayerOption, seen: Iterable[OpKey],
                    key_of: Callable[[Any, Tuple[Any, ...]], OpKey]) -> "OpTablePolicy":
-        """The policy of a ``checkpoint`` option: its kept ops as asked, every other op the
+        """The policy of a ``recompute`` option: its kept ops as asked, every other op the
         profile saw (``seen``) recomputed; ops it did not see get the default (recompute)."""
         table = {key: CheckpointPolicy.PREFER_RECOMPUTE for key in seen}
         table.update((key, _POLICY[action]) for key, action in option.keep)
@@ -210,6 +213,6 @@ def option_policy(option: LayerOption, seen: Iterable[OpKey], key_of: Callable[[
     """The policy function ``option`` wraps its layer with (``None``: no policy)."""
     if option.kind == "swap":
         return SwapAtLeast(option.swap_min_bytes, nbytes) if option.swap_min_bytes > 0 else None
-    if option.kind == "checkpoint" and option.keep:
+    if option.kind == "recompute" and option.keep:
         return OpTablePolicy.for_option(option, seen, key_of)
     return None

@@ -34,8 +34,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from .budget import format_bytes, parse_budget
 from hyper_parallel.core.backend import active_backend
 
-from .plan import MemoryPlan
-from .planning import Planner, make_plan
+from .memory_plan import MemoryPlan
+from .plan_memory import Planner, make_plan
 
 __all__ = ["plan_pipeline", "pipeline_in_flight", "in_flight_counts", "pipeline_step_seconds", "PipelinePlan",
            "gpipe_actions", "one_f_one_b_actions"]

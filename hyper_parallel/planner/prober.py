@@ -4,7 +4,7 @@ The planner's core (options, cost model, solver, plans) imports no framework; th
 backend supplies the rest: ``Backend.prober()`` (the one seam per framework; the planner asks
 ``active_backend().prober()``). ``hyper_parallel.backends.torch.prober.TorchProber`` is
 PyTorch's, ``hyper_parallel.backends.mindspore.prober.MindSporeProber`` MindSpore's (PyNative).
-Both are ``hyper_parallel.planner.probing.ChainProber`` s: the algorithm is written once there,
+Both are ``hyper_parallel.planner.chain_prober.ChainProber`` s: the algorithm is written once there,
 and each implements only its framework's primitives.
 """
 

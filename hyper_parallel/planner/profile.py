@@ -93,13 +93,13 @@ class LayerType:
 RELATIONS = (
     "own_fwd",       # the segment is the layer's own forward
     "own_gap",       # right after it (before the next layer starts)
-    "fwd_age1",      # the next layer's forward
-    "old",           # a later forward, the head, or a backward two or more layers after it
+    "next_fwd",      # the next layer's forward
+    "later",         # a later forward, the head, or a backward two or more layers after it
     "input_kept",    # the same (from the head on) for a layer whose input is never offloaded: the
-                     # larger of "fwd_age1" and "old" (see cost.relation)
-    "bwd_prev",      # the backward of the layer after it (prefetching it on an accelerator)
+                     # larger of "next_fwd" and "later" (see cost.relation)
+    "next_bwd",      # the backward of the layer after it (prefetching it on an accelerator)
     "own_bwd",       # its own backward
-    "after",         # a segment after its backward
+    "after_bwd",     # a segment after its backward
     "last_fwd",      # as the last layer: its own forward
     "last_head",     # as the last layer: the loss head after it
     "last_bwd",      # as the last layer: its own backward

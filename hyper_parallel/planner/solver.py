@@ -6,7 +6,7 @@ segments, the next layer's, the segments after it. So the bytes of layer ``j``'s
 
     reference + T + effect(o[j-1], near relation) + effect(o[j], own relation)
 
-where ``T`` sums the ``old`` effects of layers ``0 .. j-2``. A dynamic programme over the layers
+where ``T`` sums the ``later`` effects of layers ``0 .. j-2``. A dynamic programme over the layers
 with the state ``(T, o[j-1])`` is then exact: :func:`solve` keeps, for every value of ``T`` (in
 steps of ``1/resolution`` of its range, rounded up: a plan it accepts fits) and every option of
 the previous layer, the fastest way there; :func:`min_peak` keeps the smallest peak instead.
@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .cost import contributions, relation
+from .cost import contributions, relation, segment_bytes, unretried
 from .profile import Effect, Segment
 
 __all__ = ["Problem", "solve", "exact_peak", "min_peak", "lower_bound", "solve_milp", "lp_bound", "have_scipy"]
@@ -53,10 +53,9 @@ class Problem:
 
     def carried(self, i: int, effect: Effect) -> float:
         """What layer ``i`` with ``effect`` adds to the segments after the next layer's (``T``)."""
-        unretried = i == self.layers - 2 or i in self.held
-        # (an unretried layer's state before the head, fwd_age1, is at most input_kept: the
+        # (an unretried layer's state before the head, next_fwd, is at most input_kept: the
         # programme charges the larger to every segment, the exact prediction tells them apart)
-        return float(effect.bytes["input_kept" if unretried else "old"])
+        return float(effect.bytes["input_kept" if unretried(i, self.layers, self.held) else "later"])
 
     @property
     def layers(self) -> int:
@@ -67,17 +66,17 @@ class Problem:
 def _layer_constraints(problem: Problem) -> List[List[Tuple[float, Tuple[Tuple[str, int], ...], Tuple[Tuple[str, int], ...]]]]:
     """For each layer ``j``: the segments whose bytes are decided once ``o[j]`` is known, as
     ``(constant, relations of layer j-1, relations of layer j)``; ``constant`` is the reference
-    peak plus the worst case of the ``after`` effects (about zero) of the layers after ``j`` and,
+    peak plus the worst case of the ``after_bwd`` effects (about zero) of the layers after ``j`` and,
     in a later micro-step of gradient accumulation, of every layer's earlier micro-steps. Segments
-    in which a layer ``i < j - 1`` stands other than ``old`` do not exist."""
+    in which a layer ``i < j - 1`` stands other than ``later`` do not exist."""
     n = problem.layers
-    worst_after = [max(e.bytes["after"] for e in problem.options[i]) for i in range(n)]
+    worst_after = [max(e.bytes["after_bwd"] for e in problem.options[i]) for i in range(n)]
     per_layer: List[list] = [[] for _ in range(n)]
     for s in problem.segments:
         if s.kind == "pre":
             continue
         j = s.layer
-        # the last layer whose relation to s is not "after": s is decided once it is placed
+        # the last layer whose relation to s is not "after_bwd": s is decided once it is placed
         owner = j
         earlier = s.micro_step * sum(worst_after[i] for i in range(n) if i not in (owner - 1, owner))
         constant = s.peak + sum(worst_after[i] for i in range(owner + 1, n)) + earlier
@@ -85,7 +84,7 @@ def _layer_constraints(problem: Problem) -> List[List[Tuple[float, Tuple[Tuple[s
         own = contributions(owner, s, n, problem.held)
         for i in range(owner - 1):
             rel = relation(i, s, n, problem.held)
-            carried = ("input_kept", "fwd_age1") if i == n - 2 or i in problem.held else ("old",)
+            carried = ("input_kept", "next_fwd") if unretried(i, n, problem.held) else ("later",)
             if rel is not None and (len(rel) != 1 or rel[0] not in [(c, 1) for c in carried]):
                 raise AssertionError(f"segment {s.name}: layer {i} stands {rel}, not {carried!r}")
         per_layer[owner].append((constant, prev or (), own))
@@ -102,7 +101,7 @@ def _pre_peak(problem: Problem) -> float:
 
 # ---------------------------------------------------------------------------- the programme
 class _Grid:
-    """Values of ``T`` (the summed ``old`` effects of the layers before the previous one) on a
+    """Values of ``T`` (the summed ``later`` effects of the layers before the previous one) on a
     grid of ``resolution`` steps over their possible range. ``up``: every step rounds up (a
     choice accepted on the grid fits); else down (a relaxation). Room is left for the rounding
     of ``layers`` steps on either side."""
@@ -257,12 +256,11 @@ def _seconds(problem: Problem, choice: Sequence[int]) -> float:
 
 
 def exact_peak(problem: Problem, choice: Sequence[int]) -> float:
-    """The predicted peak of ``choice`` without rounding (``cost.predict``'s sum)."""
+    """The predicted peak of ``choice`` without rounding (``cost.predict``'s, over the problem's
+    segments)."""
     effects = [problem.options[i][k] for i, k in enumerate(choice)]
-    n = problem.layers
     extra = (problem.in_flight - 1) * (problem.retained + sum(problem.head_value(i, e) for i, e in enumerate(effects)))
-    return max((s.peak + sum(_value(e, contributions(i, s, n, problem.held)) for i, e in enumerate(effects))
-                for s in problem.segments), default=0.0) + extra
+    return max((segment_bytes(s, effects, problem.held) for s in problem.segments), default=0.0) + extra
 
 
 def solve(problem: Problem, budget: float, resolution: int = 2048) -> Optional[List[int]]:

@@ -61,7 +61,7 @@ class StepState(abc.ABC):
         the run wrote them in place, come back through :meth:`keep`)."""
         self._objects.append((obj, _snapshot(vars(obj))))
 
-    def again(self) -> "StepState":
+    def fresh_snapshot(self) -> "StepState":
         """A state that snapshots the same tensors and objects now, for another call of the step."""
         other = type(self)(self._backend)
         for t, _ in self.written.values():

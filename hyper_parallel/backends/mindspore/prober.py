@@ -1,6 +1,6 @@
 """The planner's MindSpore part (PyNative): profile a training step, probe a layer's options in isolation.
 
-The algorithm is :class:`~hyper_parallel.planner.probing.ChainProber`'s, written once for every
+The algorithm is :class:`~hyper_parallel.planner.chain_prober.ChainProber`'s, written once for every
 framework; this module gives it MindSpore's primitives: ``mindspore.utils.MsDispatchMode`` for
 the op trace (MindSpore hands a new op object per call, so ops are keyed by ``op.name``;
 PyNative's front-end pipeline is off while a mode of this module is active, or the mode would
@@ -58,7 +58,7 @@ Memory, what is measured and what is estimated:
 Probing (``probe``) runs deep copies of one layer alone, chained through the layer chain as the
 model's layers are, on the input it received in the step (kept as numpy copies), forward and
 ``vjp`` backward, and reads the difference at each segment (see
-:mod:`hyper_parallel.planner.probing`). Times are CPU time of the process on a CPU (MindSpore's
+:mod:`hyper_parallel.planner.chain_prober`). Times are CPU time of the process on a CPU (MindSpore's
 work runs on a few threads; a shared machine's wall clock would time the neighbours), wall time
 on an accelerator; every timed run has the pipeline off and the random primitives shielded, as
 above.
@@ -82,7 +82,7 @@ from mindspore.utils import MsDispatchMode
 
 from hyper_parallel.core.backend import Backend, active_backend
 from hyper_parallel.planner.options import OpKey
-from hyper_parallel.planner.probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
+from hyper_parallel.planner.chain_prober import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, layer_output, tensors_in
 from hyper_parallel.planner.step_state import StepState
 
 from . import _shim
@@ -635,7 +635,7 @@ class _Recorder:
 # ----------------------------------------------------------------------------------- the prober
 class MindSporeProber(ChainProber):
     """Profiling and probing on MindSpore; the planner's framework part. The algorithm is
-    :class:`~hyper_parallel.planner.probing.ChainProber`'s; this class gives it MindSpore's
+    :class:`~hyper_parallel.planner.chain_prober.ChainProber`'s; this class gives it MindSpore's
     primitives (see the module docstring)."""
 
     name = "mindspore"
@@ -813,7 +813,7 @@ class MindSporeProber(ChainProber):
 
     # ------------------------------------------------------------------ probes
     @contextlib.contextmanager
-    def _kept(self, source: "_ProbeInput", copies: Sequence[nn.Cell], watch: bool) -> Iterator[_StepState]:
+    def _restored_after(self, source: "_ProbeInput", copies: Sequence[nn.Cell], watch: bool) -> Iterator[_StepState]:
         """A probe leaves the program as it found it: the default generator, and every tensor
         outside the probe's copies that it writes in place (a hook of the layer that uses a cell of
         the model). ``watch``: find those tensors with the trace mode, which a live-tensor meter
@@ -836,7 +836,7 @@ class MindSporeProber(ChainProber):
     @contextlib.contextmanager
     def _chain_meter(self, source: "_ProbeInput",
                      copies: Sequence[nn.Cell]) -> Iterator[Tuple[Any, List[Any]]]:
-        with self._kept(source, copies, watch=False) as state:
+        with self._restored_after(source, copies, watch=False) as state:
             try:
                 inputs = source.inputs(len(copies))
                 with contextlib.ExitStack() as stack:
@@ -927,7 +927,7 @@ def _remove(handles: List[Any]) -> None:
 
 
 class _OpTimer(_PipelineOffMode):
-    """Passes every op call through ``times`` (:class:`~hyper_parallel.planner.probing.OpTimes`).
+    """Passes every op call through ``times`` (:class:`~hyper_parallel.planner.chain_prober.OpTimes`).
     Random legacy primitives run shielded (see :class:`_Shield`)."""
 
     def __init__(self, times: OpTimes, key_of: Callable[[Any, tuple], OpKey]) -> None:
@@ -986,7 +986,7 @@ class _ProbeInput:
 
         def chain(h: Tensor) -> Tensor:
             for layer, (rest, kwargs) in zip(copies, calls):
-                h = hidden(layer(h, *rest, **kwargs), Tensor)
+                h = layer_output(layer(h, *rest, **kwargs), Tensor)
             return h
 
         out, vjp_fn = ms.vjp(chain, x, weights=weights or None)

@@ -2,16 +2,17 @@
 
 ``plan_memory(..., group=...)`` plans once for a data-parallel group (see ``distributed.py``):
 ``group=None`` means the default group when ``torch.distributed`` is initialized with more than
-one rank, ``group=False`` this process alone, anything else that process group.
+one rank, ``group=False`` this process alone, anything else that process group
+(``TorchProber.collectives``).
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List
 
 import torch.distributed as dist
 
-__all__ = ["TorchCollectives", "collectives_for"]
+__all__ = ["TorchCollectives"]
 
 
 class TorchCollectives:
@@ -36,20 +37,3 @@ class TorchCollectives:
         dist.broadcast_object_list(box, src=self._first, group=self.group)
         return box[0]
 
-
-def collectives_for(group: Any) -> Optional[TorchCollectives]:
-    """The collectives ``plan_memory(..., group=group)`` agrees through, or ``None`` to plan on
-    this process alone (``group=False``; ``None`` when ``torch.distributed`` is not initialized or
-    has one rank; a group of one rank)."""
-    if group is False:
-        return None
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"plan_memory(group=...): expected a torch.distributed ProcessGroup, None (the default group "
-                        f"when torch.distributed is initialized) or False (this process alone), got {group!r}")
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise ValueError("plan_memory(group=...): torch.distributed is not initialized "
-                             "(call torch.distributed.init_process_group first, or leave group out)")
-        return None
-    collectives = TorchCollectives(group)
-    return collectives if collectives.size > 1 else None

@@ -1,4 +1,4 @@
-"""The planner's PyTorch part: the primitives :class:`~hyper_parallel.planner.probing.ChainProber`
+"""The planner's PyTorch part: the primitives :class:`~hyper_parallel.planner.chain_prober.ChainProber`
 profiles a training step and probes a layer's options with (the algorithm is there, once for
 every framework).
 
@@ -25,20 +25,21 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from hyper_parallel.core.backend import Backend
 from hyper_parallel.integrations import find_layer_stack
 from hyper_parallel.planner.options import OpKey
-from hyper_parallel.planner.probing import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, hidden, tensors_in
+from hyper_parallel.planner.chain_prober import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, layer_output, tensors_in
 from hyper_parallel.planner.step_state import StepState
 from hyper_parallel.tools.clock import no_gc, step_clock
 from hyper_parallel.tools.gc_pause import live_objects
 from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, local_tensors, mark_host
 
 from ._shim import in_backward, is_sharded, storage_key, unsharded_copy, untyped_storage_key
-from .collectives import collectives_for
+from .collectives import TorchCollectives
 from .pipeline_schedule import TorchPipeline
 
 __all__ = ["TorchProber", "EXPENSIVE_OPS"]
@@ -68,8 +69,8 @@ class _StepState(StepState):
             if grad is not None:
                 self.keep(grad)
 
-    def again(self) -> "_StepState":
-        other = cast(_StepState, super().again())
+    def fresh_snapshot(self) -> "_StepState":
+        other = cast(_StepState, super().fresh_snapshot())
         for leaf, _ in self.leaves.values():
             other.see_leaf(leaf)
         return other
@@ -168,7 +169,7 @@ class _Recorder(TorchDispatchMode):
 
 class TorchProber(ChainProber):
     """Profiling and probing on PyTorch; the planner's framework part. The algorithm is
-    :class:`~hyper_parallel.planner.probing.ChainProber`'s; this class gives it PyTorch's
+    :class:`~hyper_parallel.planner.chain_prober.ChainProber`'s; this class gives it PyTorch's
     primitives (see the module docstring)."""
 
     name = "torch"
@@ -259,10 +260,22 @@ class TorchProber(ChainProber):
             state.restore()
 
     @staticmethod
-    def collectives(group: Any) -> Any:
-        """The ``torch.distributed`` collectives of ``plan_memory(..., group=group)``, or ``None``
-        to plan alone (``collectives.collectives_for``)."""
-        return collectives_for(group)
+    def collectives(group: Any) -> Optional[TorchCollectives]:
+        """The collectives ``plan_memory(..., group=group)`` agrees through, or ``None`` to plan on
+        this process alone (``group=False``; ``None`` when ``torch.distributed`` is not initialized or
+        has one rank; a group of one rank)."""
+        if group is False:
+            return None
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"plan_memory(group=...): expected a torch.distributed ProcessGroup, None (the default group "
+                            f"when torch.distributed is initialized) or False (this process alone), got {group!r}")
+        if not (dist.is_available() and dist.is_initialized()):
+            if group is not None:
+                raise ValueError("plan_memory(group=...): torch.distributed is not initialized "
+                                 "(call torch.distributed.init_process_group first, or leave group out)")
+            return None
+        collectives = TorchCollectives(group)
+        return collectives if collectives.size > 1 else None
 
     def _watched_state(self, collect: int = 1) -> _StepState:
         """A fresh state for a step: the generators saved, every live parameter's ``.grad`` seen
@@ -284,14 +297,11 @@ class TorchProber(ChainProber):
 
     # ------------------------------------------------------------------ devices and time
     @staticmethod
-    def device_of(layers: Sequence[torch.nn.Module]) -> torch.device:
+    def _device_of(layers: Sequence[torch.nn.Module]) -> torch.device:
         for layer in layers:
             for p in layer.parameters():
                 return p.device
         return torch.device("cpu")
-
-    def _device_of(self, layers: Sequence[torch.nn.Module]) -> torch.device:
-        return self.device_of(layers)
 
     @staticmethod
     def synchronize(device: torch.device) -> None:
@@ -302,7 +312,7 @@ class TorchProber(ChainProber):
         return step_clock(device)  # (steps, probes and ops are timed as the benchmarks time them)
 
     def _timing_mode(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # (what a timed run changes, _kept puts back)
+        return contextlib.nullcontext()  # (what a timed run changes, _restored_after puts back)
 
     def _no_grad(self) -> contextlib.AbstractContextManager:
         return torch.no_grad()
@@ -374,7 +384,7 @@ class TorchProber(ChainProber):
 
     # ------------------------------------------------------------------ probes
     @contextlib.contextmanager
-    def _kept(self, source: "_ProbeInput", copies: Sequence[torch.nn.Module], watch: bool) -> Iterator[_StepState]:
+    def _restored_after(self, source: "_ProbeInput", copies: Sequence[torch.nn.Module], watch: bool) -> Iterator[_StepState]:
         """A probe leaves the program as it found it: the generators (probes draw dropout masks too)
         and every tensor outside the probe's copies that it wrote in place (a hook of the layer using
         a module of the model, e.g. a BatchNorm's statistics). ``watch``: find those tensors with a
@@ -397,7 +407,7 @@ class TorchProber(ChainProber):
     @contextlib.contextmanager
     def _chain_meter(self, source: "_ProbeInput",
                      copies: Sequence[torch.nn.Module]) -> Iterator[Tuple[MemoryMeter, List[Any]]]:
-        with self._kept(source, copies, watch=True):
+        with self._restored_after(source, copies, watch=True):
             inputs = source.inputs(len(copies))
             tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
             with MemoryMeter(source.device, track=[copies, tensors], scan_gc=False) as meter, no_gc():
@@ -439,7 +449,7 @@ class TorchProber(ChainProber):
 
 
 class _OpTimer(TorchDispatchMode):
-    """Passes every op call through ``times`` (:class:`~hyper_parallel.planner.probing.OpTimes`)."""
+    """Passes every op call through ``times`` (:class:`~hyper_parallel.planner.chain_prober.OpTimes`)."""
 
     def __init__(self, times: OpTimes, key_of: Callable[[Any, tuple], OpKey]) -> None:
         super().__init__()
@@ -517,7 +527,7 @@ class _ProbeInput:
         h = x.detach().requires_grad_(True).clone() if self.requires_grad else x
         with self._as_in_the_step():
             for layer, (rest, kwargs) in zip(copies, calls):
-                h = hidden(layer(h, *rest, **kwargs), torch.Tensor)
+                h = layer_output(layer(h, *rest, **kwargs), torch.Tensor)
         return h
 
 

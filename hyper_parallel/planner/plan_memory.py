@@ -17,7 +17,7 @@ from .budget import format_bytes, parse_budget
 from .cost import breakdown, predict, reference_retained
 from .distributed import AgreeingProber
 from .options import LayerOption, OpKey
-from .plan import LayerChoice, MemoryPlan
+from .memory_plan import LayerChoice, MemoryPlan
 from .profile import Effect, LayerType, StepProfile
 
 __all__ = ["plan_memory", "Planner", "make_plan"]
@@ -334,12 +334,12 @@ class Planner:
         if option.kind == "none":
             kept, swapped = saved, 0
         elif option.kind == "swap":
-            swapped = sum(s for s in record.saved_sizes if s >= max(option.swap_min_bytes, cand.MIN_SWAP_BYTES))
+            swapped = sum(cand.swapped_sizes(option, record))
             kept = saved - swapped
         else:
-            units = {u.key: u for u in cand.units_of(ltype)}
-            kept = sum(units[k].bytes for k, a in option.keep if a == "save" and k in units)
-            swapped = sum(units[k].bytes for k, a in option.keep if a == "swap" and k in units)
+            kept_units, swapped_units = cand.kept_units(option, ltype)
+            kept = sum(u.bytes for u in kept_units)
+            swapped = sum(u.bytes for u in swapped_units)
             if option.swap_inputs:
                 swapped += record.input_bytes
             else:

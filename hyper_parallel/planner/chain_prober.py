@@ -45,18 +45,18 @@ from .options import LayerOption, OpKey, option_policy
 from .profile import Effect, LayerRecord, LayerType, OpRecord, RELATIONS, Segment, StepProfile
 from .segments import BackwardTimer, Meter, PostHook, PreHook, Segments, check_layer_events, layer_marks
 
-__all__ = ["ChainProber", "ProbeSource", "LayerLog", "StepTrace", "OpTimes", "hidden", "tensors_in",
+__all__ = ["ChainProber", "ProbeSource", "LayerLog", "StepTrace", "OpTimes", "layer_output", "tensors_in",
            "fastest_seconds", "SLACK_BYTES", "PROBE_REPEATS"]
 
 #: Timed runs per measurement (a probe's chain, an op-timing forward, a copy); the fastest counts.
 PROBE_REPEATS = 3
-#: Bytes added to every relation of a wrapped layer's effect but ``after``: the small allocations
+#: Bytes added to every relation of a wrapped layer's effect but ``after_bwd``: the small allocations
 #: of the engine and of the framework's checkpoint around a wrapped layer (random-number states,
 #: handles), a few hundred bytes that two peaks measured at different moments can miss.
 SLACK_BYTES = 4 << 10
 
 
-def hidden(out: Any, tensor_type: type) -> Any:
+def layer_output(out: Any, tensor_type: type) -> Any:
     """The activation a layer passes to the next: its output, or the first element of it."""
     if isinstance(out, tensor_type):
         return out
@@ -94,7 +94,7 @@ class ProbeSource(Protocol):
 
     layer: Any
     device: Any          # where the layer runs (what ``synchronize`` and ``_clock`` take)
-    outside: List[Any]   # tensors outside the layer that a run writes in place (put back by ``_kept``)
+    outside: List[Any]   # tensors outside the layer that a run writes in place (put back by ``_restored_after``)
 
     def inputs(self, copies: int = 1) -> List[Any]:
         """The input on the device for a chain of ``copies``, made afresh for every run:
@@ -159,7 +159,7 @@ class LayerLog:
         if self.layer is None:
             return
         self.layer = None
-        h = hidden(out, self._tensor_type)
+        h = layer_output(out, self._tensor_type)
         self._outputs[j] = id(h)
         if (tuple(h.shape), str(h.dtype)) != getattr(self, "_entered", None):
             self.reshapes[j] = (getattr(self, "_entered", None), (tuple(h.shape), str(h.dtype)))
@@ -203,8 +203,8 @@ class StepTrace:
     peak_bytes: int
     param_bytes: int         # the parameters the step reached
     grad_bytes: int          # the gradients its backward makes (of the leaves its forward used)
-    #: what the step changes, put back after the call: ``state.again()`` snapshots the same tensors
-    #: now, for the timing call (an object with ``again``, ``save_rng`` and ``restore``)
+    #: what the step changes, put back after the call: ``state.fresh_snapshot()`` snapshots the same tensors
+    #: now, for the timing call (an object with ``fresh_snapshot``, ``save_rng`` and ``restore``)
     state: Any
     notes: List[str] = field(default_factory=list)
 
@@ -263,7 +263,7 @@ class ChainProber(abc.ABC):
     - autograd: :meth:`_in_backward`, :meth:`_grad_outputs`, :meth:`_clear_grads`;
     - the step: :meth:`_instrumented` (call 1 of profiling), :meth:`_probe_input`,
       :meth:`_copy_bytes_per_s`, :meth:`_copies_overlap`;
-    - probes: :meth:`_kept`, :meth:`_chain_meter`, :meth:`_op_timer`.
+    - probes: :meth:`_restored_after`, :meth:`_chain_meter`, :meth:`_op_timer`.
     """
 
     #: the framework's name (``"torch"``, ``"mindspore"``), stored in plans
@@ -349,14 +349,14 @@ class ChainProber(abc.ABC):
 
     # ------------------------------------------------------------------ primitives: probes
     @abc.abstractmethod
-    def _kept(self, source: ProbeSource, copies: Sequence[Any], watch: bool) -> ContextManager[Any]:
+    def _restored_after(self, source: ProbeSource, copies: Sequence[Any], watch: bool) -> ContextManager[Any]:
         """A probe run leaves the program as it found it: the generators and ``source.outside``
         are put back after the block. ``watch``: also find the tensors outside ``copies`` that the
         block writes in place and add them to ``source.outside`` (untimed runs only)."""
 
     @abc.abstractmethod
     def _chain_meter(self, source: ProbeSource, copies: Sequence[Any]) -> ContextManager[Tuple[Meter, Any]]:
-        """A memory run of a chain of ``copies``: kept and watched as ``_kept(source, copies,
+        """A memory run of a chain of ``copies``: restored and watched as ``_restored_after(source, copies,
         True)``; yields the meter to cut into segments and the inputs to run on."""
 
     @abc.abstractmethod
@@ -387,7 +387,7 @@ class ChainProber(abc.ABC):
         policy = option_policy(option, seen, self.key_of, self.nbytes)
         if option.kind == "swap":
             swap_wrapper(layer, policy_fn=policy)
-        elif option.kind == "checkpoint":
+        elif option.kind == "recompute":
             checkpoint_wrapper(layer, policy_fn=policy, swap_inputs=option.swap_inputs)
         return policy
 
@@ -505,7 +505,7 @@ class ChainProber(abc.ABC):
             self.synchronize(device)
             records[j].forward_s = now() - started[j]
 
-        second = state.again()
+        second = state.fresh_snapshot()
         second.save_rng()
         timer = BackwardTimer(now, lambda: self.synchronize(device))
         handles = self._layer_marks(layers, timer, timed_pre, timed_post)
@@ -619,7 +619,7 @@ class ChainProber(abc.ABC):
         now = self._clock(source.device)
         times: Tuple[List[float], List[float]] = ([], [])
         try:
-            with self._kept(source, [*plain, *wrapped], watch=False), self._timing_mode():
+            with self._restored_after(source, [*plain, *wrapped], watch=False), self._timing_mode():
                 source.run(plain)
                 source.run(wrapped)
                 for r in range(PROBE_REPEATS):
@@ -645,11 +645,11 @@ class ChainProber(abc.ABC):
         layer = copy.deepcopy(source.layer)
         times = OpTimes(self._clock(source.device), lambda: self.synchronize(source.device))
         with self._no_grad():
-            with self._kept(source, [layer], watch=True):  # (an untimed run finds what it writes outside)
+            with self._restored_after(source, [layer], watch=True):  # (an untimed run finds what it writes outside)
                 source.forward(layer)
             for _ in range(PROBE_REPEATS):
                 times.start_run()
-                with self._kept(source, [layer], watch=False), no_gc(), self._op_timer(times):
+                with self._restored_after(source, [layer], watch=False), no_gc(), self._op_timer(times):
                     source.forward(layer)
         return times.best()
 
@@ -663,7 +663,7 @@ def _differences(run: Dict[str, Tuple[int, int, int]], reference: Dict[str, Tupl
 def _chain_effect(middle: Dict[str, Tuple[int, int, int]], last: Dict[str, Tuple[int, int, int]]) -> Dict[str, int]:
     """An option's bytes per relation (``profile.RELATIONS``) from the differences it made to the
     segments of the middle chain (on the second of four copies) and of the last chain (on the last
-    of two), with :data:`SLACK_BYTES` on every relation but ``after``. A segment where the wrapped
+    of two), with :data:`SLACK_BYTES` on every relation but ``after_bwd``. A segment where the wrapped
     copy runs (its own forward or backward) counts the difference at its peak, where its own work
     is; in any other the copy only holds what it keeps, and what it keeps can change within the
     segment (the step's objects die at the end of the forward, a load lands): the largest
@@ -672,16 +672,16 @@ def _chain_effect(middle: Dict[str, Tuple[int, int, int]], last: Dict[str, Tuple
     held = {k: max(v) for k, v in middle.items()}
     old = max(held["gap 2"], held["fwd 3"], held["gap 3"], held["bwd 3"])
     effect = {
-        "own_fwd": middle["fwd 1"][1], "own_gap": held["gap 1"], "fwd_age1": held["fwd 2"], "old": old,
-        "bwd_prev": held["bwd 2"], "own_bwd": middle["bwd 1"][1],
-        "after": max(held["bwd 0"], max(last["bwd 0"])),
+        "own_fwd": middle["fwd 1"][1], "own_gap": held["gap 1"], "next_fwd": held["fwd 2"], "later": old,
+        "next_bwd": held["bwd 2"], "own_bwd": middle["bwd 1"][1],
+        "after_bwd": max(held["bwd 0"], max(last["bwd 0"])),
         # (the loss head's segment runs on into the backward: the state its own backward starts in)
         "last_fwd": last["fwd 1"][1], "last_head": max(max(last["gap 1"]), last["bwd 1"][0]),
         "last_bwd": last["bwd 1"][1],
     }
-    effect["input_kept"] = max(effect["fwd_age1"], old)
+    effect["input_kept"] = max(effect["next_fwd"], old)
     assert set(effect) == set(RELATIONS)
     for relation in RELATIONS:  # what a wrapped layer keeps that a difference of peaks can miss
-        if relation != "after":
+        if relation != "after_bwd":
             effect[relation] += SLACK_BYTES
     return effect
