@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers", reason="transformers (the tes
 from hyper_parallel.core.activation_checkpoint import MemoryPlan, SwapManager, plan_memory  # noqa: E402
 from hyper_parallel.core.backend import active_backend  # noqa: E402
 from hyper_parallel.planner import Planner  # noqa: E402
-from hyper_parallel.planner.plan_memory import make_plan  # noqa: E402
+from hyper_parallel.planner.planner import make_plan  # noqa: E402
 from hyper_parallel.tools.memory import MemoryMeter  # noqa: E402
 from hyper_parallel.bench.hf_models import FAMILIES, batch, build, loss  # noqa: E402
 

@@ -16,7 +16,7 @@ from .options import LayerOption, OpKey, OpTablePolicy, SwapAtLeast
 from .pipeline import (PipelinePlan, gpipe_actions, in_flight_counts, one_f_one_b_actions, pipeline_in_flight,
                        pipeline_step_seconds, plan_pipeline)
 from .memory_plan import LayerChoice, MemoryPlan
-from .plan_memory import Planner, plan_memory
+from .planner import Planner, plan_memory
 
 __all__ = ["plan_memory", "MemoryPlan", "LayerChoice", "LayerOption", "OpKey", "OpTablePolicy", "SwapAtLeast",
            "Planner", "parse_budget", "format_bytes",

@@ -35,7 +35,7 @@ from .budget import format_bytes, parse_budget
 from hyper_parallel.core.backend import active_backend
 
 from .memory_plan import MemoryPlan
-from .plan_memory import Planner, make_plan
+from .planner import Planner, make_plan
 
 __all__ = ["plan_pipeline", "pipeline_in_flight", "in_flight_counts", "pipeline_step_seconds", "PipelinePlan",
            "gpipe_actions", "one_f_one_b_actions"]
