@@ -58,16 +58,16 @@ def test_no_function_local_imports_in_engine_or_backends():
 
 PLANNER = os.path.join(PACKAGE, "planner")
 #: The planner's framework parts are in the backends (``backends/*/prober.py``, the collectives of
-#: ranks agreeing, the pipeline adapter); the planner modules (the probing algorithm, options, cost
-#: model, solver, plans, ranks agreeing, pipeline stages) and the tools it uses import no framework
-#: (but ``torch_*.py``, the target planner's torch parts, to be moved into the backend).
+#: ranks agreeing, the pipeline adapter, the target planner's meta-device trace, op costs and
+#: calibration); every planner module (the probing algorithm, options, cost model, solver, plans,
+#: ranks agreeing, pipeline stages, targets, roofline, allocator, the step model) and the tools it
+#: uses import no framework.
 PROBERS = (os.path.join(PACKAGE, "backends", "torch", "prober.py"), os.path.join(PACKAGE, "backends", "mindspore", "prober.py"))
-NEUTRAL_PLANNER = sorted(f[:-3] for f in os.listdir(PLANNER)
-                         if f.endswith(".py") and f != "__init__.py" and not f.startswith(("torch_", "mindspore_")))
+NEUTRAL_PLANNER = sorted(f[:-3] for f in os.listdir(PLANNER) if f.endswith(".py") and f != "__init__.py")
 
 
 def test_the_planner_but_its_framework_parts_imports_no_framework():
-    assert {"chain_prober", "distributed", "pipeline", "planner", "memory_plan"} <= set(NEUTRAL_PLANNER)
+    assert {"chain_prober", "distributed", "pipeline", "planner", "memory_plan", "step_model", "roofline"} <= set(NEUTRAL_PLANNER)
     modules = ["hyper_parallel.planner"] + [f"hyper_parallel.planner.{m}" for m in NEUTRAL_PLANNER] + \
         ["hyper_parallel.tools.gc_pause"]
     code = (f"import sys, importlib\nfor m in {modules!r}: importlib.import_module(m)\n"

@@ -17,8 +17,9 @@ transformers = pytest.importorskip("transformers", reason="the target planner tr
 from hyper_parallel.plan import __main__ as cli  # noqa: E402
 from hyper_parallel.plan._stub import RESULT_KEYS  # noqa: E402
 from hyper_parallel.plan.target_planner import plan_for_target  # noqa: E402
-from hyper_parallel.planner import step_model, torch_hf_trace, torch_meta_trace  # noqa: E402
-from hyper_parallel.planner.torch_hf_trace import apply_option, build_model, trace_step  # noqa: E402
+from hyper_parallel.planner import step_model  # noqa: E402
+from hyper_parallel.backends.torch import hf_trace as torch_hf_trace, meta_trace as torch_meta_trace  # noqa: E402
+from hyper_parallel.backends.torch.hf_trace import apply_option, build_model, trace_step  # noqa: E402
 from hyper_parallel.planner.model_configs import model_config  # noqa: E402
 from hyper_parallel.planner.targets import Target, target  # noqa: E402
 from hyper_parallel.tools.memory import MemoryMeter  # noqa: E402
@@ -117,7 +118,7 @@ def test_the_whole_step_predicted_from_two_traced_layers_equals_the_measured_cpu
 def test_the_predicted_step_time_on_a_calibrated_cpu_is_within_20_percent_of_the_measured_one():
     """Calibrated "this machine" (a micro-benchmark of matmuls and copies), the roofline of the
     traced ops against the measured time of the same step (fp32, one thread, the planner's clock)."""
-    from hyper_parallel.planner.torch_calibrate import calibrate_this_machine
+    from hyper_parallel.backends.torch.calibrate import calibrate_this_machine
     from hyper_parallel.tools.clock import no_gc, step_clock
 
     config = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
@@ -299,7 +300,7 @@ def test_a_mixed_plan_applied_to_a_real_cpu_model_takes_the_bytes_it_predicts():
     """Plans under budgets between the smallest peak and the unwrapped one mix the options per
     layer; applied to the real model (each layer its option), the measured step takes exactly the
     predicted bytes, within the budget."""
-    from hyper_parallel.planner.torch_hf_trace import apply_plan
+    from hyper_parallel.backends.torch.hf_trace import apply_plan
 
     config = SMALL["llama"]
     slow_link = CPU_EXACT.replace(name="no swapping", host_link_bytes_per_s=1e4)  # (swap too slow to choose)

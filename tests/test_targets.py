@@ -15,12 +15,13 @@ import torch.nn.functional as F
 
 from hyper_parallel.plan import __main__ as cli
 from hyper_parallel.plan import _stub
-from hyper_parallel.planner import allocator, calibrate, model_configs, roofline, targets, torch_calibrate, torch_op_cost
+from hyper_parallel.planner import allocator, calibrate, model_configs, roofline, targets
+from hyper_parallel.backends.torch import calibrate as torch_calibrate, op_cost as torch_op_cost
 from hyper_parallel.planner.allocator import allocated_size, reserved_estimate, segment_size
 from hyper_parallel.planner.calibrate import MicroBench, Sizes
 from hyper_parallel.planner.roofline import bound, copy_seconds, op_seconds, resolve_dtype
 from hyper_parallel.planner.targets import TARGETS, Target, load_target_file, target
-from hyper_parallel.planner.torch_op_cost import OpCostLog, OpCostMode, op_cost
+from hyper_parallel.backends.torch.op_cost import OpCostLog, OpCostMode, op_cost
 
 GiB = 1 << 30
 MiB = 1 << 20

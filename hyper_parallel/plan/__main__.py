@@ -31,7 +31,7 @@ from hyper_parallel.plan._stub import plan_for_target
 from hyper_parallel.planner.budget import format_bytes, parse_budget
 from hyper_parallel.planner.model_configs import MODEL_CONFIGS, resolve_model
 from hyper_parallel.planner.targets import TARGETS, Target, load_target_file, table_rows, target
-from hyper_parallel.planner.torch_calibrate import calibrate_this_machine
+from hyper_parallel.backends.torch.calibrate import calibrate_this_machine
 
 __all__ = ["main", "build_parser", "format_report", "condense_plan", "plan_runs", "resolve_target", "list_targets"]
 

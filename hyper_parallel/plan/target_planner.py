@@ -2,7 +2,7 @@
 accelerator without running on it (the contract: ``plan/_stub.py``; the command line:
 ``plan/__main__.py``).
 
-The pieces, one concept each: ``planner/torch_hf_trace.py`` traces the step of the model cut down to a
+The pieces, one concept each: ``backends/torch/hf_trace.py`` traces the step of the model cut down to a
 few layers on the meta device, once per activation option; ``planner/step_model.py`` composes the
 whole step from the traces (its bytes, what they are made of, its time on the target) and
 searches the plans; this module picks the traces a recipe needs and writes the answer, every
@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from hyper_parallel.planner.budget import format_bytes
-from hyper_parallel.planner.torch_hf_trace import trace_optimizer, trace_step
+from hyper_parallel.backends.torch.hf_trace import trace_optimizer, trace_step
 from hyper_parallel.planner.step_model import PARTS, Run, StepModel, bound_of
 from hyper_parallel.planner.targets import Target
 

@@ -3,7 +3,7 @@ measures the rates the roofline needs instead of reading them from a datasheet.
 
 The algorithm is written once (:func:`calibrate`); a framework provides the primitives
 (:class:`MicroBench`: time ``n x n`` matmuls in a dtype, a device-to-device copy, a host-to-device
-copy, and say the device's name and memory): ``planner/torch_calibrate.py`` for PyTorch. Each
+copy, and say the device's name and memory): ``backends/torch/calibrate.py`` for PyTorch. Each
 measurement is warmed up once, then timed ``repeats`` times, each time over ``iterations`` calls
 ended by one device synchronisation, and the fastest time is kept (what slows a shared machine
 only ever adds time). From it:

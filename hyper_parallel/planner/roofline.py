@@ -7,7 +7,7 @@ its compute and its memory traffic::
     seconds = max(flops / (peak_flops[dtype] * efficiency[op_class]),
                   bytes_moved / (hbm_bytes_per_s * efficiency["memory"]))
 
-``op_class`` is ``"matmul"``, ``"attention"`` or ``"memory"`` (what ``planner/torch_op_cost.py``
+``op_class`` is ``"matmul"``, ``"attention"`` or ``"memory"`` (what ``backends/torch/op_cost.py``
 returns); the efficiencies are the target's (published-benchmark defaults, or 1.0 on a calibrated
 target whose rates were measured). Host <-> device copies (swaps) go over the host link instead:
 :func:`copy_seconds`. Pure functions, no framework.

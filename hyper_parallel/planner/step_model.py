@@ -1,7 +1,7 @@
 """The whole training step on a target, composed from traced phases: its peak bytes (what they are
 made of), its time, and the fastest per-layer plan under a budget.
 
-:mod:`~.torch_hf_trace` traces one step of a model cut down to a few layers; this module builds the
+``backends/torch/hf_trace.py`` traces one step of a model cut down to a few layers; this module builds the
 real step from it, with no framework: a *walk* over the step in the order the device runs it,
 
     embedding forward, layer 0 .. L-1 forward, loss head forward and backward,
@@ -110,7 +110,7 @@ class Seconds:
 
 
 def price(costs: Sequence[Any], target: Target) -> Seconds:
-    """Every op's roofline time on ``target`` (``torch_op_cost.OpCost`` tuples)."""
+    """Every op's roofline time on ``target`` (``backends/torch/op_cost.OpCost`` tuples)."""
     total = compute = hbm = 0.0
     for c in costs:
         s = op_seconds(target, c.op_class, c.flops, c.bytes_moved, c.dtype)

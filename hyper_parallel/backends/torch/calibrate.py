@@ -20,8 +20,8 @@ import torch
 
 from hyper_parallel.tools.clock import no_gc, step_clock
 
-from .calibrate import MicroBench, Sizes, calibrate, host_memory_bytes
-from .targets import Target
+from hyper_parallel.planner.calibrate import MicroBench, Sizes, calibrate, host_memory_bytes
+from hyper_parallel.planner.targets import Target
 
 __all__ = ["TorchMicroBench", "calibrate_this_machine", "default_device"]
 

@@ -6,7 +6,7 @@ ops cost; and the same for the embedding and the loss head. A model of ``L`` ide
 does not need ``L`` layers traced: :func:`trace_step` builds the model from its configuration
 with only as many layers as it takes to see every kind of layer after a first one (two for a
 Llama), on the meta device (no memory, no weights, no download), runs ``model(input_ids,
-labels=..., use_cache=False).loss.backward()`` under :class:`~.torch_meta_trace.LiveBytesMode`, and
+labels=..., use_cache=False).loss.backward()`` under :class:`~.meta_trace.LiveBytesMode`, and
 cuts the trace into phases with module and tensor hooks:
 
 ``embed.fwd`` (embedding, rotary tables) -> ``layer{i}.fwd`` ... -> ``head.fwd`` (final norm,
@@ -40,9 +40,13 @@ import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import transformers  # (the target planner plans Hugging Face configs: the test/hf extra)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from transformers import AttentionInterface, AttentionMaskInterface, masking_utils
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .torch_meta_trace import FusedAttentionOnMeta, LiveBytesMode, Phase
-from .model_configs import config_kwargs
+from .meta_trace import FusedAttentionOnMeta, LiveBytesMode, Phase
+from hyper_parallel.planner.model_configs import config_kwargs
 
 __all__ = ["StepTrace", "trace_step", "apply_option", "apply_plan", "build_model", "layer_kinds", "decoder_layers", "OPTIONS",
            "torchtitan_policy", "trace_optimizer"]
@@ -73,13 +77,9 @@ def traced_layer_count(kinds: Sequence[str]) -> int:
 def fused_attention(kind: str) -> str:
     """The name of a Hugging Face attention implementation that is SDPA's (``sdpa_attention_forward``
     and ``sdpa_mask``) with ``F.scaled_dot_product_attention`` on meta tensors running the fused
-    kernel of ``kind`` (:class:`~.torch_meta_trace.FusedAttentionOnMeta`; real tensors: SDPA as it is).
+    kernel of ``kind`` (:class:`~.meta_trace.FusedAttentionOnMeta`; real tensors: SDPA as it is).
     Registered as an implementation rather than entered around the step, so that a checkpoint's
     recompute in the backward takes the same kernel as the forward."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import sdpa_mask
-
     name = f"hyper_parallel_meta_{kind}"
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -87,7 +87,7 @@ def fused_attention(kind: str) -> str:
             return sdpa_attention_forward(*args, **kwargs)
 
     AttentionInterface.register(name, forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, masking_utils.sdpa_mask)
     return name
 
 
@@ -96,7 +96,6 @@ def build_model(config: Dict[str, Any], layers: int, dtype: torch.dtype, device:
     """The Hugging Face causal LM of ``config`` with its first ``layers`` decoder layers, in
     ``dtype``, on ``device`` (the meta device: shapes only), in training mode, SDPA attention
     (``attention``: ``"cuda"`` or ``"cpu"``, the fused kernel that SDPA runs on meta tensors)."""
-    import transformers  # (imported here: the planner's other parts need no transformers)
 
     model_type, kwargs = config_kwargs(config)
     kwargs["num_hidden_layers"] = layers
@@ -133,7 +132,6 @@ def torchtitan_policy() -> Callable[..., Any]:
     attention kernels and of every other ``aten.mm`` (the 1st, 3rd, ... of a layer's forward;
     the count restarts in the recompute), recompute everything else. The CPU flash kernel is
     added beside the CUDA ones so that "this machine" runs the same policy."""
-    from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
     save = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
@@ -152,7 +150,6 @@ def torchtitan_policy() -> Callable[..., Any]:
 
     def context_fn() -> Any:
         counts.clear()  # (torchtitan's counters live per layer call; one layer runs at a time)
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
         return create_selective_checkpoint_contexts(policy)
 
     return context_fn
@@ -202,11 +199,6 @@ def _one_sequence_per_row_on_meta() -> Iterator[None]:
     (``masking_utils.find_packed_sequence_indices``), a question about the data that meta tensors
     cannot answer; the step's position ids are ``arange(seq)``, one sequence per row, whose answer
     is ``None``: give that answer for meta tensors."""
-    try:
-        from transformers import masking_utils
-    except ImportError:  # (an older transformers without it)
-        yield
-        return
     original = getattr(masking_utils, "find_packed_sequence_indices", None)
     if original is None:
         yield
@@ -244,7 +236,6 @@ def apply_option(model: torch.nn.Module, option: str, layers: Optional[Sequence[
     every = decoder_layers(model)
     layers = [every[i] for i in layers] if layers is not None else list(every)
     if option in ("full", "selective"):
-        from torch.utils.checkpoint import checkpoint
         kwargs: Dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": False}
         if option == "selective":
             kwargs["context_fn"] = torchtitan_policy()

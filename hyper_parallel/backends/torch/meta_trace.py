@@ -12,7 +12,7 @@ caller opens with :meth:`LiveBytesMode.mark`):
   sizes of the storages it made that are alive at its peak and at its end (for the reserved
   estimate). Storages made before the mode was entered (parameters, input ids) are not counted:
   the caller counts them as the static part of the step.
-- **time**: every op's cost (``planner/torch_op_cost.py``), kept per phase so that it can be
+- **time**: every op's cost (``backends/torch/op_cost.py``), kept per phase so that it can be
   priced on any target later (``roofline.op_seconds``).
 
 Why weak references on storages, not ``saved_tensors_hooks``: what occupies memory is storages,
@@ -53,8 +53,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .allocator import allocated_size
-from .torch_op_cost import OpCost, OpCostLog
+from hyper_parallel.planner.allocator import allocated_size
+from .op_cost import OpCost, OpCostLog
 
 __all__ = ["Phase", "LiveBytesMode", "FusedAttentionOnMeta"]
 
