@@ -127,20 +127,23 @@ class Planner:
         return max(TIME_TOLERANCE * layer_s, 2 * noise)
 
     def seconds(self, key: str, option: LayerOption) -> float:
-        """What ``option`` costs a layer of type ``key`` as choices see it: the options' times,
-        sorted, fall into groups, each of the times within :meth:`tolerance` of its fastest, and
-        every option costs its group's fastest. Options within noise of each other then tie, and
-        ties go to the option listed first (no wrapper first): one step planned twice gives one
-        plan, whatever the noise within a group."""
+        """What ``option`` costs a layer of type ``key`` as choices see it: walking the options in
+        the order listed (no wrapper first), each costs the time of the first listed option whose
+        time is within :meth:`tolerance` of its own, itself if none is. Options within noise of
+        an earlier one then tie with it, and ties go to the option listed first: one step planned
+        twice gives one plan, whatever the noise. (Anchored on listed options, not on the fastest
+        of a sorted run: two options within noise of each other, ``recompute`` and ``recompute,
+        swap inputs``, never land in different groups because a third one moved; and an option's
+        cost is never more than the tolerance away from its own time.)"""
         grouped = self._derived.get(("grouped", key))
         if grouped is None:
             tol = self.tolerance(key)
-            grouped, group = {}, 0.0
-            for o in sorted(self.options[key], key=lambda o: self.effect(key, o).seconds):
+            grouped, anchors = {}, []
+            for o in self.options[key]:
                 t = self.effect(key, o).seconds
-                if t - group > tol:
-                    group = t
-                grouped[o] = group if tol > 0 else t
+                grouped[o] = next((a for a in anchors if abs(t - a) <= tol), t)
+                if grouped[o] == t:
+                    anchors.append(t)
             self._derived[("grouped", key)] = grouped
         return grouped[option]
 
