@@ -141,9 +141,10 @@ class Planner:
             grouped, anchors = {}, []
             for o in self.options[key]:
                 t = self.effect(key, o).seconds
-                grouped[o] = next((a for a in anchors if abs(t - a) <= tol), t)
-                if grouped[o] == t:
+                anchor = next((a for a in anchors if abs(t - a) <= tol), None)
+                if anchor is None:  # (no earlier option within noise: this one starts a group)
                     anchors.append(t)
+                grouped[o] = t if anchor is None else anchor
             self._derived[("grouped", key)] = grouped
         return grouped[option]
 
