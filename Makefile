@@ -10,7 +10,7 @@
 # `make test` goes straight to pytest.  Torch is always installed pinned first
 # (an unpinned `pip install torch` can pull a multi-GB CUDA build).  Every step
 # prints a "==>" line and pip shows what it downloads and installs (a first
-# install takes a few minutes); pytest shows its progress (two worker processes).
+# install takes a few minutes); pytest shows its progress per test file.
 
 PYTHON3     ?= python3
 VENV        ?= .venv
@@ -27,15 +27,14 @@ STAMP := $(VENV)/.hyper-parallel-installed-$(INSTALL_KEY)
 
 .PHONY: test test-quick demo install venv clean
 
-# (-n 2: one test process per core of a 2-core machine; a test that times or measures memory runs
-# in its own process either way, on one intra-op thread, tests/conftest.py)
+# (one process: the planner's tests compare times it measured, which a second worker's load moves)
 test: $(STAMP)
-	@echo "==> pytest: every test, the slow and multi-process ones included, on 2 worker processes"
-	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
+	@echo "==> pytest: every test, the slow and multi-process ones included (progress per file below)"
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-quick: $(STAMP)
 	@echo "==> pytest: without the slow and the multi-process tests"
-	$(PY) -m pytest -n 2 -m "not slow and not distributed" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not distributed" $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	@echo "==> the mode comparison: every mode trains the small GPT in its own process (7 processes: 25-70 s measured on 2 idle cores of two machines, 200-230 s while other jobs shared them)"
