@@ -236,6 +236,12 @@ class _CpuStorageTracker:
                 return True
         return False
 
+    def refused(self, peak: int) -> None:
+        """The outputs just registered were refused (a cap): the peak goes back to ``peak``, the
+        one before them; their bytes leave as they die."""
+        with self._lock:
+            self._pending, self._peak = False, peak
+
     def register_tensor(self, t: torch.Tensor) -> None:
         for st in _storages_of(t):
             self.register_storage(st)
@@ -301,16 +307,32 @@ class _CpuStorageTracker:
 
 
 class _StorageTrackingMode(TorchDispatchMode):
-    """Dispatch mode that hands every op's outputs to a :class:`_CpuStorageTracker`."""
+    """Dispatch mode that hands every op's outputs to a :class:`_CpuStorageTracker`; with a
+    ``cap``, an op whose outputs take the live bytes past it fails as an allocation would."""
 
-    def __init__(self, tracker: _CpuStorageTracker) -> None:
+    def __init__(self, tracker: _CpuStorageTracker, cap: Optional[int] = None) -> None:
         super().__init__()
         self._tracker = tracker
+        self._cap = cap
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if self._cap is None:
+            out = func(*args, **(kwargs or {}))
+            self._tracker.register_tree(out)
+            return out
+        tracker = self._tracker
+        before = tracker.peak  # (settles the peak: every byte live before this op was allowed)
         out = func(*args, **(kwargs or {}))
-        self._tracker.register_tree(out)
-        return out
+        tracker.register_tree(out)
+        live = tracker.current
+        if live <= self._cap:
+            return out
+        tracker.refused(before)
+        del out  # (its storages die here, as a refused allocation never lives)
+        raise torch.OutOfMemoryError(
+            f"MemoryMeter: {func} would take the live bytes to {live} ({live / 2**20:.1f} MiB), past the meter's cap "
+            f"of {self._cap} bytes ({self._cap / 2**20:.1f} MiB): an allocator stand-in for the CPU, raising as a "
+            "device's allocator does when its memory runs out")
 
 
 # ``UntypedStorage.resize_`` is a plain method that bypasses the dispatcher on CPU, yet
@@ -487,6 +509,11 @@ class MemoryMeter:
             ``gc.get_objects()`` into the baseline (one pass over all Python objects,
             about 50-100 ms per 100k objects). Turn it off to count only ``track`` plus what the
             region allocates.
+        cap: CPU only. Bytes the live storages may not pass: an op whose outputs would take
+            them past it raises ``torch.OutOfMemoryError`` (its outputs freed, the peak left
+            where it was), as a device's allocator does when its memory runs out. Tests run a
+            step "on a device of ``cap`` bytes" this way. (On an accelerator the allocator
+            caps itself: ``torch.cuda.set_per_process_memory_fraction``.)
 
     On an accelerator the allocator's own counters are used (``memory_allocated`` /
     ``max_memory_allocated``; the device is synchronized at enter and exit, and the
@@ -519,8 +546,15 @@ class MemoryMeter:
         track: Iterable[Any] = (),
         *,
         scan_gc: bool = True,
+        cap: Optional[int] = None,
     ) -> None:
         self.device: torch.device = _resolve_device(device)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise ValueError(f"MemoryMeter(cap=...): the cap is a number of bytes (an int >= 0), got {cap!r}")
+        if cap is not None and self.device.type != "cpu":
+            raise ValueError(f"MemoryMeter(cap=...) caps the CPU's live storages; on {self.device} the allocator caps "
+                             "itself: torch.cuda.set_per_process_memory_fraction (or the device's own limit)")
+        self.cap = cap
         self._track = list(track)
         self._scan_gc = scan_gc
         self._active = False
@@ -575,7 +609,11 @@ class MemoryMeter:
         _ACTIVE_CPU_TRACKERS.add(tracker)
         _install_resize_hook()
         self._tracker = tracker
-        self._mode = _StorageTrackingMode(tracker)
+        if self.cap is not None and tracker.current > self.cap:
+            tracker.close()
+            raise torch.OutOfMemoryError(f"MemoryMeter: {tracker.current} bytes are live at the start, past the "
+                                         f"meter's cap of {self.cap} bytes")
+        self._mode = _StorageTrackingMode(tracker, self.cap)
         self._mode.__enter__()
 
     def _exit_cpu(self, *exc: Any) -> None:

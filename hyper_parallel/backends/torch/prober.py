@@ -249,8 +249,17 @@ class TorchProber(ChainProber):
         after the block."""
         state = self._watched_state(collect=2)
         try:
-            with _Recorder(state, self.key_of, self._backend.written_tensors):
-                step_fn()
+            try:
+                with _Recorder(state, self.key_of, self._backend.written_tensors):
+                    step_fn()
+            except torch.OutOfMemoryError as exc:
+                raise torch.OutOfMemoryError(
+                    "plan_memory: the step ran out of device memory as it is, with no layer wrapped. Planning runs "
+                    "the step as it is (once first, then to profile it), so it must fit the device while planning "
+                    "(planning a step that does not fit is not built yet): plan where it fits (a device with more "
+                    "memory), or, for a Hugging Face model, plan for this accelerator without running on it: python "
+                    "-m hyper_parallel.plan. Everything the step changed is put back. "
+                    f"({exc})") from exc
             state.restore_gradients()
             # (found after a step: what the first step makes lazily, FSDP2's unsharded parameters, is there)
             self._session = _live_training_objects()
