@@ -237,6 +237,7 @@ def test_times_within_noise_of_each_other_do_not_change_the_plan():
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_the_same_step_planned_twice_gives_the_same_plan():
     base = build("llama", layers=3, hidden=64)
     ids = batch("llama", batch=2, seq=48, seed=1)

@@ -289,6 +289,7 @@ def _results(ranks: List[Dict[str, Any]], name: str) -> List[Dict[str, Any]]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.timing
 def test_ddp_ranks_with_different_timing_noise_apply_one_plan_and_train_bitwise(ranks):
     r0, r1 = _results(ranks, "agree_ddp")
     assert r0["json"] == r1["json"]  # byte-identical plan JSON on both ranks
@@ -306,6 +307,7 @@ def test_ddp_ranks_with_different_timing_noise_apply_one_plan_and_train_bitwise(
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.timing
 def test_fsdp2_plans_fit_their_budget_as_measured_and_train_bitwise(ranks):
     r0, r1 = _results(ranks, "fsdp2")
     assert r0["json"] == r1["json"]
@@ -321,6 +323,7 @@ def test_fsdp2_plans_fit_their_budget_as_measured_and_train_bitwise(ranks):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.timing
 def test_pipeline_stages_fit_one_budget_each_for_its_micro_batches(ranks):
     r0, r1 = _results(ranks, "pipeline")
     for res in (r0, r1):
@@ -338,6 +341,7 @@ def test_pipeline_stages_fit_one_budget_each_for_its_micro_batches(ranks):
     assert r0["predicted_step_s"] < r0["predicted_uniform_step_s"]
 
 
+@pytest.mark.timing
 def test_a_pipeline_stage_that_cannot_fit_the_budget_fails_on_every_stage(ranks):
     """One budget between the stages' smallest reachable peaks: the stage it is too small for raises
     the planner's ValueError, the other a RuntimeError naming that stage, and neither waits for the

@@ -1,7 +1,7 @@
 """The RFC's own self-test, on CPU.
 
 Each of the seven modes trains the built-in GPT-like model (dropout, layer norm, a causal mask
-buffer passed to every layer) for three training steps in its own subprocess; every step's loss must
+buffer passed to every layer) for three training steps in a process of its own (the bench's); every step's loss must
 equal the ``none`` baseline bitwise, and the peak device memory measured by ``MemoryMeter`` must
 order as ``none > save > recompute`` with ``swap`` within 30% of ``recompute`` and below ``save``.
 The mixed wrappings of the RFC's test scope run in-process.
@@ -27,18 +27,17 @@ CONFIG = ["--layers", "8", "--dim", "64", "--heads", "2", "--seq", "64", "--batc
           "--vocab", "256", "--steps", "3", "--threads", "1"]
 
 
-def _run_mode(mode: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "hyper_parallel.bench", "--worker", mode, *CONFIG],
-                          capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.lstrip().endswith("}")][-1]
-    return json.loads(line[line.index("{"):])
-
-
 @pytest.fixture(scope="module")
-def results() -> dict:
-    return {mode: _run_mode(mode) for mode in MODES}
+def results(tmp_path_factory) -> dict:
+    """Every mode's result, as the bench (``python -m hyper_parallel.bench``) ran it in a process of its own."""
+    out = tmp_path_factory.mktemp("selftest") / "bench.json"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "hyper_parallel.bench", *CONFIG, "--json", str(out), "--no-progress"],
+                          capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    by_mode = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert sorted(by_mode) == sorted(MODES)
+    return by_mode
 
 
 @pytest.mark.slow

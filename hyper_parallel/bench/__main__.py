@@ -1,7 +1,7 @@
 """Mode comparison bench: ``python -m hyper_parallel.bench``.
 
 Trains the bench GPT a few steps of the benchmark harness under each mode of ``hyper_parallel.bench.modes``, every mode
-in its own subprocess (its peak from a clean process), and prints one table: peak memory, bytes offloaded, step time,
+in a process of its own (its peak from a clean process), and prints one table: peak memory, bytes offloaded, step time,
 and whether every loss equals the ``none`` baseline's (bitwise on CPU, within 1e-5 elsewhere). Every option is checked
 before any mode runs: a bad one exits 2 with the reason. Exit status: 0; 1 a worker failed; 2 losses differ; 3 (with
 ``--strict``) an expected memory ordering (none > save > recompute, swap ~ recompute) does not hold. Examples::
@@ -14,9 +14,7 @@ before any mode runs: a bad one exits 2 with the reason. Exit status: 0; 1 a wor
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
@@ -24,11 +22,9 @@ from typing import Any, Dict, List, Optional, Sequence
 from hyper_parallel.bench import report
 from hyper_parallel.bench.modes import MODE_RECIPES, MODES, RECIPES, SWAP_WRAPPER_MODES, SWAP_WRAPPER_RECIPES
 from hyper_parallel.bench.report import MiB
+from hyper_parallel.bench.worker import PLAN_PREFIX, PLAN_RANGE, run_mode, swap_threshold
 
-_RESULT_TAG = "@@hyper_parallel.bench.result "
 LOSS_ATOL = 1e-5  # off CPU; on CPU losses must be bitwise equal
-PLAN_PREFIX = "plan@"
-PLAN_RANGE = "plan-range"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per mode (default 1800)")
     p.add_argument("--strict", action="store_true", help="exit 3 when an expected memory ordering does not hold")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
-    p.add_argument("--worker", metavar="MODE", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -73,13 +68,6 @@ def _config(args) -> Dict[str, Any]:
             "swap_threshold_bytes": swap_threshold(args), "optimizer": "SGD"}
 
 
-def swap_threshold(args) -> int:
-    """``--swap-threshold-bytes``, default the bytes of one ``(batch, heads, seq, seq)`` attention matrix."""
-    if args.swap_threshold_bytes is not None:
-        return int(args.swap_threshold_bytes)
-    return args.batch * args.heads * args.seq * args.seq * (4 if args.dtype == "float32" else 2)
-
-
 def _mode_list(args, parser) -> List[str]:
     allowed = SWAP_WRAPPER_MODES if args.swap_wrapper else MODES
     modes = list(allowed) if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -87,97 +75,6 @@ def _mode_list(args, parser) -> List[str]:
     if bad:
         parser.error("unknown mode(s) %s; choose from %s" % (", ".join(bad), ", ".join(allowed)))
     return list(dict.fromkeys(["none"] + modes))  # the baseline first, each mode once
-
-
-def run_worker(args) -> int:
-    """Train one mode (or a memory plan: ``plan@BYTES``; ``plan-range`` only reports the budgets worth planning) in this
-    process and print one JSON line on stdout."""
-    import copy
-    import gc
-
-    import torch
-
-    from hyper_parallel.bench.harness import Variant, median, optimizer_for, train_step
-    from hyper_parallel.bench.model import GPT, GPTConfig, make_batch, train_steps
-    from hyper_parallel.bench.modes import apply_mode
-    from hyper_parallel.core.activation_checkpoint import MemoryPlan, SwapManager, plan_memory
-    from hyper_parallel.tools.memory import MemoryMeter
-
-    mode = args.worker
-    planned = mode == PLAN_RANGE or mode.startswith(PLAN_PREFIX)
-    device = torch.device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = GPTConfig(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq,
-                    dropout=args.dropout)
-    model = GPT(cfg, seed=args.seed).to(device=device, dtype=getattr(torch, args.dtype))
-    SwapManager().reset()
-    result: Dict[str, Any] = {"mode": mode}
-    if planned:  # the planned step is a whole training step of the harness, on a copy
-        copied = copy.deepcopy(model)
-        v = Variant(mode, "none", copied, optimizer_for(copied, args.lr))
-        batch = make_batch(cfg, args.batch, args.seed, device=device)
-        t0 = time.perf_counter()
-        plan = plan_memory(v.model.layers, lambda: train_step(v, batch, args.seed, device),
-                           "1TiB" if mode == PLAN_RANGE else int(mode[len(PLAN_PREFIX):]))
-        result.update(min_budget_bytes=plan.min_budget_bytes, reference_peak_bytes=plan.reference_peak_bytes,
-                      planning_s=time.perf_counter() - t0)
-        if mode == PLAN_RANGE:
-            print(_RESULT_TAG + json.dumps(result), flush=True)
-            return 0
-        result.update(budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
-                      predicted_step_s=plan.predicted_step_s, lower_bound_step_s=plan.lower_bound_step_s,
-                      report=plan.report(), options=[c.option.name() for c in plan.choices])
-        text = plan.to_json()
-        del plan, v, copied
-        gc.collect()  # (the planned copy must not count in this process's memory)
-        SwapManager().reset()
-        MemoryPlan.from_json(text, model.layers).apply()
-    else:
-        apply_mode(model, mode, swap_wrapper=args.swap_wrapper, swap_threshold_bytes=swap_threshold(args))
-    meters: List[Any] = []
-
-    def make_meter(model_, optimizer):
-        meters.append(MemoryMeter(device, track=[model_, optimizer]))
-        return meters[-1]
-
-    times: List[float] = []
-    losses = train_steps(model, args.steps, args.batch, args.lr, args.seed, device, meter=make_meter, times=times)
-    stats = SwapManager().stats()
-    if args.trace:  # one extra step, after the measured ones: results and stats above are unaffected
-        from hyper_parallel.bench.trace import write_trace
-
-        write_trace(lambda: train_steps(model, 1, args.batch, args.lr, args.seed + args.steps, device),
-                    os.path.join(args.trace, f"{mode}.json"), device=device)
-    result.update(peak_bytes=int(meters[0].peak_bytes), offloaded_bytes=int(stats["offloaded_bytes"]),
-                  step_time_s=median(times) or 0.0, step_times_s=times, losses=losses, stats=stats,
-                  process_cpu_s=time.process_time())
-    print(_RESULT_TAG + json.dumps(result, default=report.json_value), flush=True)
-    return 0
-
-
-def run_mode(args, mode: str) -> Dict[str, Any]:
-    """Run this command line again for one mode in a worker subprocess (its options were checked); return its result
-    dict or an error dict."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                  if p and p != root])  # (the package, installed or not)
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, "-m", "hyper_parallel.bench", *args.argv, "--worker", mode], env=env,
-                              capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=args.timeout)
-        rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc, stdout, stderr = None, exc.stdout or "", exc.stderr or ""
-        stdout, stderr = (x.decode() if isinstance(x, bytes) else x for x in (stdout, stderr))
-    lines = [ln for ln in stdout.splitlines() if ln.startswith(_RESULT_TAG)]
-    result = json.loads(lines[-1][len(_RESULT_TAG):]) if rc == 0 and lines else None
-    wall = time.perf_counter() - t0
-    if result is None:
-        reason = f"timed out after {args.timeout:.0f}s" if rc is None else f"exit status {rc}" if rc else "no result"
-        return {"mode": mode, "error": reason, "returncode": rc, "stderr": stderr, "stdout": stdout, "wall_s": wall}
-    return {**result, "wall_s": wall, **({"stderr": stderr} if stderr.strip() else {})}
 
 
 def losses_match(losses: Sequence[float], baseline: Sequence[float], exact: bool) -> bool:
@@ -400,8 +297,7 @@ def check_options(args, parser: argparse.ArgumentParser) -> None:
             parse_budget(args.budget)
         except (TypeError, ValueError) as exc:
             parser.error(f"--budget: {exc}")
-    if args.worker is None:
-        _mode_list(args, parser)
+    _mode_list(args, parser)
     if args.budget_sweep is not None and args.budget_sweep < 2:
         parser.error("--budget-sweep needs at least 2 budgets")
     if (args.budget is not None or args.budget_sweep) and args.swap_wrapper:
@@ -424,10 +320,7 @@ def check_options(args, parser: argparse.ArgumentParser) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
     check_options(args, parser)
-    if args.worker is not None:
-        return run_worker(args)
     return run_comparison(args, parser)
 
 
