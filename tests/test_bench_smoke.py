@@ -115,6 +115,19 @@ def test_bench_reports_a_failing_worker(tmp_path):
     assert "recompute" in proc.stdout  # (the other modes ran and are reported)
 
 
+@pytest.mark.slow
+def test_bench_stops_a_worker_past_its_timeout_and_says_so(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run(
+        [sys.executable, "-m", "hyper_parallel.bench", *TINY_ARGS, "--modes", "recompute", "--timeout", "0.01",
+         "--no-progress"],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "worker 'none' failed: timed out after 0.01s" in proc.stderr
+
+
 def _refused(monkeypatch, capsys, argv):
     """``main(argv)`` must stop with a usage error before any mode runs; returns its message."""
     def no_mode(*args, **kwargs):

@@ -115,18 +115,18 @@ def run_mode(args, mode: str) -> Dict[str, Any]:
     t0 = time.perf_counter()
     worker.start()
     send.close()  # (the worker holds the other end: a worker that dies closes it)
-    try:
-        message = receive.recv() if receive.poll(args.timeout) else None
-    except EOFError:  # (it died before sending anything)
-        message = None
-    worker.join(None if message is not None else 0)
-    if worker.is_alive():
+    timed_out, message = not receive.poll(args.timeout), None
+    if not timed_out:
+        try:
+            message = receive.recv()
+        except EOFError:  # (it died before sending anything)
+            pass
+    if timed_out:
         worker.kill()
-        worker.join()
+    worker.join()
     wall = time.perf_counter() - t0
     if message is None:
-        reason = f"timed out after {args.timeout:.0f}s" if worker.exitcode in (None, -9) else \
-            f"exit status {worker.exitcode} without a result"
+        reason = f"timed out after {args.timeout:g}s" if timed_out else f"exit status {worker.exitcode} without a result"
         return {"mode": mode, "error": reason, "returncode": worker.exitcode, "stderr": "", "wall_s": wall}
     kind, value = message
     if kind == "error":
