@@ -73,6 +73,42 @@ def test_a_step_fits_a_cap_at_its_own_peak_and_not_one_byte_below():
             step()
 
 
+def test_host_buffers_never_count_against_the_cap():
+    # a swap_wrapper'd chain allocates its host pool in a step: under a cap at the step's own peak
+    # (measured with the pool made) a step that must make the pool again runs too, as on a device
+    from hyper_parallel.bench.modes import chain_layers
+    from hyper_parallel.core.activation_checkpoint import swap_wrapper
+
+    layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                     torch.nn.Linear(256, 64)) for _ in range(4))
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def step():
+        h = x
+        for layer in layers:
+            h = layer(h)
+        h.square().mean().backward()
+        layers.zero_grad(set_to_none=True)
+        x.grad = None
+
+    for layer in layers:
+        swap_wrapper(layer)
+    chain_layers(list(layers))
+    step()  # (the host pool is made)
+    with MemoryMeter("cpu", track=[layers, x], scan_gc=False) as made:
+        step()
+    assert SwapManager().release_host_cache() > 0  # (the next step makes the pool again)
+    with MemoryMeter("cpu", track=[layers, x], scan_gc=False, cap=made.peak_bytes) as again:
+        step()
+    assert again.peak_bytes == made.peak_bytes
+    assert SwapManager().stats()["offloaded_bytes"] > 0
+    # and the backend's host buffer itself, past any cap: host memory, never the device's
+    with MemoryMeter("cpu", scan_gc=False, cap=MiB) as meter:
+        buf = active_backend().empty_host_bytes(8 * MiB)
+        kept = torch.zeros(MiB // 8)  # 0.5 MiB of device memory: counted
+    assert buf.numel() == 8 * MiB and meter.peak_bytes == kept.nbytes
+
+
 # ---------------------------------------------------------------------------- training under a cap
 def _gpt():
     cfg = GPTConfig(vocab=256, dim=64, heads=4, layers=4, seq=64, dropout=0.1)

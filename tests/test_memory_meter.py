@@ -366,6 +366,6 @@ def test_docstring_examples(module: object) -> None:
 
 
 def test_public_surface() -> None:
-    assert set(memory_public.__all__) == {"MemoryMeter", "mark_host", "is_host_storage"}
+    assert set(memory_public.__all__) == {"MemoryMeter", "mark_host", "host_allocation", "is_host_storage"}
     for name in memory_public.__all__:
         assert getattr(memory_public, name).__doc__

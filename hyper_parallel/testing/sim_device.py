@@ -65,7 +65,7 @@ import hyper_parallel.core.activation_checkpoint  # noqa: F401  (binds the frame
 from hyper_parallel.backends.torch.backend import HOST, TorchBackend
 from hyper_parallel.core.backend import use_backend
 from hyper_parallel.core.swap_manager import SwapManager
-from hyper_parallel.tools.memory import mark_host
+from hyper_parallel.tools.memory import host_allocation, mark_host
 
 from . import _shim
 
@@ -416,7 +416,7 @@ class SimDevice(TorchBackend):
     def empty_host_bytes(self, nbytes: int) -> torch.Tensor:
         self._before("empty_host_bytes", nbytes)
         with self._lock:
-            with self._quiet(visible=True):
+            with self._quiet(visible=True), host_allocation():
                 t = torch.empty(nbytes, dtype=torch.uint8)
             mark_host(t)  # (host memory, as the backend's: a CPU memory meter never counts it)
             with self._quiet():

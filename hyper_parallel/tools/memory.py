@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -48,7 +49,7 @@ from torch.utils._pytree import tree_flatten
 
 from hyper_parallel.tools.gc_pause import live_objects
 
-__all__ = ["MemoryMeter", "mark_host", "is_host_storage"]
+__all__ = ["MemoryMeter", "mark_host", "host_allocation", "is_host_storage"]
 
 DeviceLike = Union[str, torch.device, None]
 
@@ -115,6 +116,37 @@ def mark_host(t: Union[torch.Tensor, torch.UntypedStorage]) -> None:
             _HOST_STORAGES[key] = weakref.ref(st, _unmark)
     for tracker in list(_ACTIVE_CPU_TRACKERS):
         tracker.forget(st)
+
+
+_HOSTING = threading.local()
+
+
+@contextlib.contextmanager
+def host_allocation() -> Iterator[None]:
+    """The ops inside allocate host buffers: no CPU meter counts their outputs, nor checks its
+    ``cap`` on them (a device's allocator never sees host memory). Mark each buffer with
+    :func:`mark_host` as well: the mark is what keeps meters entered later from counting it.
+
+    Example::
+
+        >>> import torch
+        >>> from hyper_parallel.tools.memory import MemoryMeter, host_allocation, mark_host
+        >>> with MemoryMeter("cpu", scan_gc=False, cap=1 << 20) as m:
+        ...     with host_allocation():
+        ...         buf = torch.empty(1 << 20)   # 4 MiB of host buffer, past the 1 MiB cap: allowed
+        ...     mark_host(buf)
+        >>> m.peak_bytes
+        0
+    """
+    _HOSTING.depth = getattr(_HOSTING, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _HOSTING.depth -= 1
+
+
+def _allocating_host() -> bool:
+    return getattr(_HOSTING, "depth", 0) > 0
 
 
 def is_host_storage(t: Union[torch.Tensor, torch.UntypedStorage]) -> bool:
@@ -316,6 +348,8 @@ class _StorageTrackingMode(TorchDispatchMode):
         self._cap = cap
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if _allocating_host():  # (host buffers: never device memory)
+            return func(*args, **(kwargs or {}))
         if self._cap is None:
             out = func(*args, **(kwargs or {}))
             self._tracker.register_tree(out)

@@ -23,7 +23,7 @@ from hyper_parallel.core.keep_reason import KeepReason
 from hyper_parallel.core.policy import CheckpointPolicy, normalize_policy
 from hyper_parallel.core.region_state import AroundMode
 from hyper_parallel.integrations.transformers import family_of as hf_family_of
-from hyper_parallel.tools.memory import mark_host
+from hyper_parallel.tools.memory import host_allocation, mark_host
 
 from . import _shim
 from .prober import TorchProber
@@ -259,7 +259,8 @@ class TorchBackend(Backend):
     def empty_host_bytes(self, nbytes: int) -> torch.Tensor:
         # Pinned memory makes D2H/H2D truly asynchronous; a CPU-only build has none. Marked as host
         # memory: a CPU memory meter never counts it as device memory.
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.accelerator is not None)
+        with host_allocation():
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.accelerator is not None)
         mark_host(buf)
         return buf
 

@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from hyper_parallel.planner.pipeline import gpipe_actions, one_f_one_b_actions
-from hyper_parallel.tools.memory import mark_host
+from hyper_parallel.tools.memory import host_allocation, mark_host
 
 from . import _shim
 from .collectives import TorchCollectives
@@ -64,7 +64,8 @@ def _host(t: Any) -> Any:
     """A host copy of a tensor (never device memory, for a CPU meter either), its flag kept."""
     if not isinstance(t, torch.Tensor):
         return t
-    copy = t.detach().to("cpu", copy=True)
+    with host_allocation():
+        copy = t.detach().to("cpu", copy=True)
     mark_host(copy)
     return copy.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else copy
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from hyper_parallel.core.backend import Backend
 from hyper_parallel.integrations import find_layer_stack
@@ -36,7 +36,7 @@ from hyper_parallel.planner.chain_prober import ChainProber, LayerLog, OpTimes, 
 from hyper_parallel.planner.step_state import StepState
 from hyper_parallel.tools.clock import no_gc, step_clock
 from hyper_parallel.tools.gc_pause import live_objects
-from hyper_parallel.tools.memory import MemoryMeter, is_host_storage, local_tensors, mark_host
+from hyper_parallel.tools.memory import MemoryMeter, host_allocation, is_host_storage, local_tensors, mark_host
 
 from ._shim import in_backward, is_sharded, storage_key, unsharded_copy, untyped_storage_key
 from .collectives import TorchCollectives
@@ -92,7 +92,8 @@ class _StepState(StepState):
         return storage_key(t) if _backed(t) else None
 
     def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        host = t.detach().to("cpu", copy=True)
+        with host_allocation():
+            host = t.detach().to("cpu", copy=True)
         mark_host(host)  # (never counted as device memory by a CPU meter)
         return host
 
@@ -331,7 +332,8 @@ class TorchProber(ChainProber):
         """Bytes per second of one direction of a host <-> device copy (pinned host memory on an
         accelerator; a memory copy on a CPU), the faster of three."""
         src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type != "cpu")
+        with host_allocation():
+            dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type != "cpu")
         mark_host(dst)
         best = fastest_seconds(lambda: dst.copy_(src, non_blocking=True), lambda: TorchProber.synchronize(device))
         return nbytes / max(best, 1e-9)
@@ -597,7 +599,8 @@ def _host_copy(value: Any) -> Any:
     as a Hugging Face cache holding earlier layers' keys), are detached host copies."""
     memo: Dict[int, Any] = {}
     for t in _tensors_within(value):
-        host = t.detach().to("cpu", copy=True)
+        with host_allocation():
+            host = t.detach().to("cpu", copy=True)
         mark_host(host)
         memo[id(t)] = host
     return copy.deepcopy(value, memo)
