@@ -56,6 +56,18 @@ PROBE_REPEATS = 3
 SLACK_BYTES = 4 << 10
 
 
+#: What ``measure_step`` (and so ``measure_plan``) gives for a step that ran out of device memory:
+#: more than any budget
+OUT_OF_MEMORY = float("inf")
+
+
+def free_after_out_of_memory() -> None:
+    """Free what a call that ran out of device memory left behind. Its tensors can stay alive after
+    the exception is handled, in reference cycles through the traceback (the frames of the context
+    managers it passed through): until a full collection they hold device memory the next try needs."""
+    gc.collect()
+
+
 def layer_output(out: Any, tensor_type: type) -> Any:
     """The activation a layer passes to the next: its output, or the first element of it."""
     if isinstance(out, tensor_type):
@@ -183,14 +195,16 @@ class LayerLog:
         """``storage`` died (its key may name another one from now on)."""
         self.made_by.pop(storage, None)
 
-    def save(self, storage: Any, nbytes: int) -> None:
-        """Autograd saved a tensor of ``storage`` (``nbytes``) in the running layer's forward."""
+    def save(self, storage: Any, nbytes: int, name: Any = None) -> None:
+        """Autograd saved a tensor of ``storage`` (``nbytes``) in the running layer's forward;
+        ``name``: what names that saved storage for as long as autograd holds it, if not its key
+        (a storage moved to the host dies at once, and its key may name another one)."""
         if self.layer is None:
             return
         made = self.made_by.get(storage)
         if made is not None and made[0] == self.layer:  # (saved by the layer that made it)
             made[1].saved = True
-        self.saved.setdefault(self.layer, {})[storage] = nbytes
+        self.saved.setdefault(self.layer, {})[storage if name is None else name] = nbytes
 
 
 @dataclass
@@ -359,6 +373,24 @@ class ChainProber(abc.ABC):
         """A memory run of a chain of ``copies``: restored and watched as ``_restored_after(source, copies,
         True)``; yields the meter to cut into segments and the inputs to run on."""
 
+    #: The exceptions the framework raises when the device runs out of memory.
+    out_of_memory: Tuple[type, ...] = ()
+
+    @abc.abstractmethod
+    def _moving_saved(self, meter: Any = None, log: Optional[LayerLog] = None,
+                      device: Any = None) -> ContextManager[Any]:
+        """While planning a step that did not fit as it is (the framework's ``in_training`` found
+        it): the block moves what autograd saves to the host and back, so that the device holds
+        little; ``meter`` still counts what the block would hold with nothing moved, ``log`` gets
+        the saved storages, ``device`` times the copies (``seconds``, per layer ``forward_s`` /
+        ``backward_s``, the running layer set through ``layer``). Yields that mover, or ``None``
+        (nothing is moved: the step fitted, or the framework cannot move)."""
+
+    @abc.abstractmethod
+    def _move_saved_from_now(self) -> bool:
+        """Plan on as for a step that does not fit as it is: :meth:`_moving_saved` moves from now
+        on. ``False`` where it moves already, or the framework cannot move."""
+
     @abc.abstractmethod
     def _op_timer(self, times: OpTimes) -> ContextManager[Any]:
         """A dispatch mode passing every op call through ``times.call``."""
@@ -493,6 +525,8 @@ class ChainProber(abc.ABC):
         copying = [0.0]
 
         def timed_pre(j: int, args: tuple, kwargs: dict) -> None:
+            if moved is not None:
+                moved.layer = j
             self.synchronize(device)
             if j in first and first[j].probe_inputs is None:  # (the first micro-batch's)
                 t = now()
@@ -504,13 +538,16 @@ class ChainProber(abc.ABC):
         def timed_post(j: int, out: Any) -> None:
             self.synchronize(device)
             records[j].forward_s = now() - started[j]
+            if moved is not None:
+                moved.layer = None
 
+        moved = None  # (the mover, while planning a step that does not fit as it is)
         second = state.fresh_snapshot()
         second.save_rng()
         timer = BackwardTimer(now, lambda: self.synchronize(device))
         handles = self._layer_marks(layers, timer, timed_pre, timed_post)
         try:
-            with self._timing_mode(), no_gc():
+            with self._timing_mode(), no_gc(), self._moving_saved(device=device) as moved:
                 self.synchronize(device)
                 t0 = now()
                 step_fn()
@@ -522,6 +559,12 @@ class ChainProber(abc.ABC):
             second.restore()
         for j, seconds in timer.backward_times().items():
             records[j].backward_s = seconds
+        if moved is not None:  # (the copies are not the step's: each layer's time without them)
+            for j, seconds in moved.forward_s.items():
+                records[j].forward_s = max(0.0, records[j].forward_s - seconds)
+            for j, seconds in moved.backward_s.items():
+                records[j].backward_s = max(0.0, records[j].backward_s - seconds)
+            step_s = max(0.0, step_s - moved.seconds)
         return step_s
 
     def _layer_types(self, layers: Sequence[Any], records: List[LayerRecord],
@@ -550,28 +593,54 @@ class ChainProber(abc.ABC):
         """Measure ``option`` on copies of ``ltype``'s layer (see the module docstring). Returns
         its :class:`Effect` and the reference runs (every copy left as it is), which the caller
         passes back for the type's other options."""
+        try:
+            return self._probe(ltype, option, seen, reference)
+        except self.out_of_memory:
+            if not self._move_saved_from_now():
+                raise
+        # (past the except clause: its traceback is gone) The step fitted, a chain of copies beside
+        # it does not: probe as for a step that does not fit, against references run the same way.
+        free_after_out_of_memory()
+        return self._probe(ltype, option, seen, None)
+
+    def _probe(self, ltype: LayerType, option: LayerOption, seen: Sequence[OpKey],
+               reference: Optional[Dict[str, Any]]) -> Tuple[Effect, Dict[str, Any]]:
         source: ProbeSource = ltype.probe_inputs
-        if reference is None:
+        with self._moving_saved() as mover:
+            moving = mover is not None
+        if reference is None or reference["moving"] != moving:  # (an option's runs and their references alike)
             reference = {"middle": self._chain_memory(source, [None] * 4, seen),
-                         "last": self._chain_memory(source, [None] * 2, seen)}
+                         "last": self._chain_memory(source, [None] * 2, seen), "moving": moving}
         middle = self._chain_memory(source, [None, option, None, None], seen)  # a layer amid the stack
         last = self._chain_memory(source, [None, option], seen)  # the last layer
         effect = _chain_effect(_differences(middle, reference["middle"]), _differences(last, reference["last"]))
         # Every option adds work to the layer (recompute, copies, bookkeeping): a run measured faster
         # than the plain layer is timing noise, and counts as free. The noise: half the spread of
         # the differences of the runs timed in turns.
-        plain, wrapped = self._chain_times(source, option, seen)
-        reference.setdefault("time", min(plain))
-        seconds = max(0.0, (min(wrapped) - min(plain)) / 3)
+        for length in (3, 2, 1):  # (a chain the device cannot hold, planning a step that does not fit: a shorter one)
+            try:
+                plain, wrapped = self._chain_times(source, option, seen, length)
+                break
+            except self.out_of_memory:
+                if length == 1:
+                    raise
+            free_after_out_of_memory()  # (past the except clause: its traceback is gone)
+        reference.setdefault("time", min(plain) * 3 / length)  # (three layers' time)
+        seconds = max(0.0, (min(wrapped) - min(plain)) / length)
         differences = [w - p for p, w in zip(plain, wrapped)]
-        noise = (max(differences) - min(differences)) / 2 / 3
+        noise = (max(differences) - min(differences)) / 2 / length
         return Effect(effect, seconds, measured=True, noise=noise), reference
 
     def _copies(self, source: ProbeSource, options: Sequence[Optional[LayerOption]],
                 seen: Sequence[OpKey]) -> List[Any]:
         """Deep copies of ``source``'s layer, one per option (``None``: left as it is), wrapped and
-        chained through the layer chain."""
-        copies = [copy.deepcopy(source.layer) for _ in options]
+        chained through the layer chain; planning a step that does not fit as it is
+        (:meth:`_moving_saved`), copies sharing its parameters and buffers where it can: a probe
+        then holds one layer's parameters and gradients, not one per copy (what it measures are
+        differences between chains of copies alike)."""
+        with self._moving_saved() as moving:
+            share = moving is not None and self._copyable([source.layer])
+        copies = [self._shared_copy(source.layer) if share else copy.deepcopy(source.layer) for _ in options]
         for i, option in enumerate(options):
             if option is not None:
                 self.wrap(copies[i], option, seen)
@@ -599,41 +668,46 @@ class ChainProber(abc.ABC):
         """``(start, peak, end)`` bytes of each segment (by name) of one forward + backward of a
         chain of copies."""
         copies = self._copies(source, options, seen)
+        self._clear_grads(copies)  # (shared parameters: no gradient left from an earlier run)
         try:
             with self._chain_meter(source, copies) as (meter, inputs):
                 # (no warm-up run: host buffers are never device memory, and the step ran already,
                 # so one-off device allocations such as a BLAS workspace are made)
-                cut = self._segmented(copies, meter, lambda: source.run(copies, inputs))
+                with self._moving_saved(meter=meter):
+                    cut = self._segmented(copies, meter, lambda: source.run(copies, inputs))
         finally:
+            self._clear_grads(copies)
             self._forget(copies)
         ends = [s.start for s in cut.segments[1:]] + [cut.end_bytes]
         return {s.name: (s.start, s.peak, end) for s, end in zip(cut.segments, ends)}
 
-    def _chain_times(self, source: ProbeSource, option: LayerOption, seen: Sequence[OpKey]
+    def _chain_times(self, source: ProbeSource, option: LayerOption, seen: Sequence[OpKey], length: int = 3
                      ) -> Tuple[List[float], List[float]]:
-        """Seconds of one forward + backward of three copies left as they are and of three all
-        wrapped by ``option``, timed in turns (each after one untimed run, on fresh inputs), so
+        """Seconds of one forward + backward of ``length`` copies left as they are and of as many
+        all wrapped by ``option``, timed in turns (each after one untimed run, on fresh inputs), so
         that what slows the machine down meanwhile slows both: ``PROBE_REPEATS`` of each."""
-        plain = self._copies(source, [None] * 3, seen)
-        wrapped = self._copies(source, [option] * 3, seen)
+        plain = self._copies(source, [None] * length, seen)
+        wrapped = self._copies(source, [option] * length, seen)
         now = self._clock(source.device)
         times: Tuple[List[float], List[float]] = ([], [])
         try:
             with self._restored_after(source, [*plain, *wrapped], watch=False), self._timing_mode():
-                source.run(plain)
-                source.run(wrapped)
+                with self._moving_saved():
+                    source.run(plain)
+                    source.run(wrapped)
                 for r in range(PROBE_REPEATS):
                     for k in ((0, 1) if r % 2 == 0 else (1, 0)):  # (alternating which goes first)
                         copies = (plain, wrapped)[k]
                         self._clear_grads(copies)
                         inputs = source.inputs(len(copies))
                         self.synchronize(source.device)
-                        with no_gc():
+                        with no_gc(), self._moving_saved(device=source.device) as moved:
                             t0 = now()
                             source.run(copies, inputs)
                             self.synchronize(source.device)
-                            times[k].append(now() - t0)
+                            times[k].append(now() - t0 - (moved.seconds if moved is not None else 0.0))
         finally:
+            self._clear_grads([*plain, *wrapped])  # (shared parameters: no gradient left behind)
             self._forget(plain)
             self._forget(wrapped)
         return times

@@ -170,6 +170,10 @@ class AgreeingProber:
     there, the others serve its requests until its plan arrives.
     """
 
+    #: (a probe that runs out of memory on one rank fails planning on every rank: the ranks'
+    #: options must stay alike)
+    out_of_memory: Tuple[type, ...] = ()
+
     def __init__(self, prober: Any, collectives: Collectives) -> None:
         self.inner = prober
         self.name = prober.name

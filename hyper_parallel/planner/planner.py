@@ -14,6 +14,7 @@ from hyper_parallel.core.wrapping import wrapper_of
 from . import candidates as cand
 from . import solver
 from .budget import format_bytes, parse_budget
+from .chain_prober import OUT_OF_MEMORY, free_after_out_of_memory
 from .cost import breakdown, predict, reference_retained
 from .distributed import AgreeingProber
 from .options import LayerOption, OpKey
@@ -60,6 +61,7 @@ class Planner:
         self._references: Dict[str, Any] = {}
         self._derived: Dict[Tuple[Any, ...], Any] = {}  # modelled effects and grouped times, until the next probe
         self.probes = 0
+        self.left_out: List[str] = []  # (options whose probe ran out of device memory, said in the plan's notes)
         self.seen: Dict[str, List[OpKey]] = {}
         for key, ltype in profile.types.items():
             self.seen[key] = sorted({op.key for op in ltype.record.ops})
@@ -73,7 +75,9 @@ class Planner:
             self._calibrate(key, ltype)
 
     # ------------------------------------------------------------------ effects
-    def _measure(self, key: str, option: LayerOption) -> Effect:
+    def _measure(self, key: str, option: LayerOption) -> Optional[Effect]:
+        """``option``'s probed effect on layers of type ``key`` (``None``: its probe ran out of
+        device memory, and the option is left out: :meth:`_leave_out`)."""
         found = self.effects.get((key, option))
         if found is not None and found.measured:
             return found
@@ -82,7 +86,22 @@ class Planner:
         else:
             ltype = self.profile.types[key]
             log.info("probe %d: %s of %s (layers %s)", self.probes + 1, option.name(), key, ltype.layers)
-            effect, self._references[key] = self.prober.probe(ltype, option, self.seen[key], self._references.get(key))
+            ran_out = False
+            try:
+                effect, self._references[key] = self.prober.probe(ltype, option, self.seen[key],
+                                                                  self._references.get(key))
+            except self.prober.out_of_memory as exc:
+                if option in (cand.RECOMPUTE, cand.RECOMPUTE_SWAP_INPUTS):  # (every other option is modelled from them)
+                    raise type(exc)(
+                        f"plan_memory: probing {option.name()} on copies of a layer of type {key} ran out of device "
+                        "memory, with what autograd saves moved to the host (the step does not fit as it is): the "
+                        "device cannot hold the model's state beside a few layers' working set. Plan where more "
+                        f"memory is free, or without running on the device: python -m hyper_parallel.plan. ({exc})"
+                    ) from exc
+                ran_out = True
+            if ran_out:  # (outside the except clause: the probe's traceback is gone)
+                free_after_out_of_memory()
+                return self._leave_out(key, option)
             self.probes += 1
             if key in self.calibration:
                 cand.fit(self.calibration[key], option, ltype, effect)
@@ -90,12 +109,23 @@ class Planner:
         self._derived.clear()  # (a measurement can change the calibration, the models and the grouping)
         return effect
 
+    def _leave_out(self, key: str, option: LayerOption) -> None:
+        """Planning a step that does not fit as it is: ``option``'s probe (a chain of copies with
+        the model's state alive) ran out of device memory, so the device cannot hold a plan that
+        uses it either; it is no longer weighed for layers of type ``key`` (swap everything: no
+        swap option is, their models rest on it)."""
+        dropped = [o for o in self.options[key] if o == option or option == cand.SWAP_ALL and o.kind == "swap"]
+        self.options[key] = [o for o in self.options[key] if o not in dropped]
+        self._derived.clear()
+        self.left_out.append(f"layers of type {key}: {', '.join(o.name() for o in dropped)} left out: probing "
+                             f"{option.name()} ran out of device memory (planning a step that does not fit as it is)")
+
     def _calibrate(self, key: str, ltype: LayerType) -> None:
         options = self.options[key]
         rec = self._measure(key, cand.RECOMPUTE)
         rec_in = self._measure(key, cand.RECOMPUTE_SWAP_INPUTS)
         swap_all = next((o for o in options if o == cand.SWAP_ALL), None)
-        swap_effect = self._measure(key, swap_all) if swap_all is not None else None
+        swap_effect = self._measure(key, swap_all) if swap_all is not None else None  # (None: left out)
         record = ltype.record
         cal = cand.Calibration(rec, rec_in, swap_effect, self.profile.copy_bytes_per_s, self.profile.overlaps,
                                record.forward_s, record.backward_s, len(record.ops))
@@ -246,9 +276,11 @@ class Planner:
             if chosen == smallest:
                 chosen = None  # (nothing measures smaller)
                 break
-            # (the model missed ``measured - predicted``; ask the next plan for that much less)
-            target -= measured - room
-            chosen = None
+            # (the model missed ``measured - predicted``: ask the next plan for that much less; a plan
+            # that ran out of device memory says no more than that it is over: half the way down to
+            # the smallest plan's peak)
+            target -= measured - room if measured != OUT_OF_MEMORY else max(1, (target - self.min_budget()[0]) // 2)
+            measured, chosen = None, None
         if chosen is None:
             raise self._no_plan(budget_bytes, reserved, measure)
         effects = self.assignment_effects(chosen)
@@ -256,7 +288,8 @@ class Planner:
         minimum, min_plan, _ = self.min_budget()
         if measure is not None:  # (the minimum reported is one a budget can ask for: measured too)
             min_measured = measured if min_plan == chosen else measure(min_plan)
-            minimum = max(minimum, min_measured or 0)
+            if min_measured != OUT_OF_MEMORY:  # (else the device could not run it: the model's figure)
+                minimum = max(minimum, min_measured or 0)
         problem, _ = self._problem(measured_only=True)
         bound = solver.lower_bound(problem, room, self.resolution)
         if solver.have_scipy():
@@ -264,7 +297,7 @@ class Planner:
         step0 = self.profile.step_s
         bound *= self.profile.micro_steps  # (each micro-step runs every layer's option)
         choices = [self._choice(i, o, e) for i, (o, e) in enumerate(zip(chosen, effects))]
-        notes = list(self.profile.notes)
+        notes = list(self.profile.notes) + self.left_out
         if measure is not None and measured is None:
             notes.append("the plan was not checked by running it: pass the model, or its ModuleList / ModuleDict / "
                          "Sequential, as the stack (a plain list cannot be given copies of the layers), and call the "
@@ -296,12 +329,15 @@ class Planner:
         a budget of that much plans), what it is made of and what to do."""
         minimum, min_plan, where = self.min_budget()
         measured = measure(min_plan) if measure is not None else None
+        ran_out = measured == OUT_OF_MEMORY
+        measured = None if ran_out else measured
         parts = breakdown(self.profile, self.assignment_effects(min_plan), where)
         if reserved:
             parts.append(("what the pipeline schedule holds besides (measured)", reserved))
         detail = "; ".join(f"{name} {format_bytes(n)}" for name, n in parts if n)
         least = max(minimum, measured or 0) + reserved
-        how = " (measured: that plan ran once)" if measured is not None else ""
+        how = (" (measured: that plan ran once)" if measured is not None else
+               " (modelled: that plan ran out of device memory when run)" if ran_out else "")
         return ValueError(
             f"plan_memory: no plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): the "
             f"smallest peak any plan reaches is {format_bytes(least)} ({least} bytes){how}, during {where}: "

@@ -24,6 +24,10 @@ class Prober(Protocol):
     #: the framework's name (``"torch"``, ``"mindspore"``), stored in plans
     name: str
 
+    #: what the framework raises when the device runs out of memory, where a probe may run out
+    #: (planning a step that does not fit as it is); ``()``: a probe that runs out fails planning
+    out_of_memory: Tuple[type, ...]
+
     def profile_step(self, layers: Sequence[Any], step_fn: Callable[[], Any]) -> StepProfile:
         """Call ``step_fn`` at most twice and return the step's profile: the memory timeline cut
         into segments at layer boundaries (``pre``, then per layer ``fwd j`` and ``gap j``, then

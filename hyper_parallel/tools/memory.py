@@ -217,6 +217,9 @@ class _CpuStorageTracker:
         self._peak = 0
         self._pending = False
         self.active = False
+        self._holders: dict[int, weakref.ref] = {}  # id(storage) -> its holder (``count_until``)
+        self._ignored: dict[int, weakref.ref] = {}  # id(storage) -> the storage, never counted (``ignore``)
+        self._held: list[weakref.ref] = []  # holders of dead storages still counted
 
     # -- peak ------------------------------------------------------------------------
     def _commit(self) -> None:
@@ -250,6 +253,9 @@ class _CpuStorageTracker:
                 self._update_size(entry, st)
                 return
             if is_host_storage(st):
+                return
+            ignored = self._ignored.get(key)
+            if ignored is not None and ignored() is st:
                 return
             nbytes = int(st.nbytes())
             if not st.resizable() and self._inside_counted(st.data_ptr(), nbytes):
@@ -311,9 +317,36 @@ class _CpuStorageTracker:
                 entry = self._entries.get(key)
                 if entry is not None and entry[0] is ref:
                     del self._entries[key]
-                    self._sub(entry[1])
+                    holder = self._holders.pop(key, None)
+                    holder = holder() if holder is not None else None
+                    if holder is None:
+                        self._sub(entry[1])
+                    else:  # (its bytes stay counted until the holder dies: ``count_until``)
+                        self._held.append(weakref.ref(holder, self._on_release_cb(entry[1])))
 
         return _on_death
+
+    def _on_release_cb(self, nbytes: int) -> Callable[[weakref.ref], None]:
+        def _on_release(ref: weakref.ref) -> None:
+            with self._lock:
+                if self.active and ref in self._held:
+                    self._held.remove(ref)
+                    self._sub(nbytes)
+
+        return _on_release
+
+    def ignore(self, st: torch.UntypedStorage) -> None:
+        """Stop counting ``st``, now and whenever an op shows it again, while it lives."""
+        with self._lock:
+            self._ignored[id(st)] = weakref.ref(st, lambda _, key=id(st): self._ignored.pop(key, None))
+        self.forget(st)
+
+    def count_until(self, st: torch.UntypedStorage, holder: Any) -> None:
+        """Keep counting ``st`` (if counted) after it dies, until ``holder`` dies."""
+        with self._lock:
+            entry = self._entries.get(id(st))
+            if entry is not None and entry[0]() is st:
+                self._holders[id(st)] = weakref.ref(holder)
 
     # -- external notifications ------------------------------------------------------
     def forget(self, st: torch.UntypedStorage) -> None:
@@ -336,6 +369,9 @@ class _CpuStorageTracker:
             self.active = False
             # Dropping the weakrefs also drops their callbacks: nothing fires after exit.
             self._entries.clear()
+            self._holders.clear()
+            self._held.clear()
+            self._ignored.clear()
 
 
 class _StorageTrackingMode(TorchDispatchMode):
@@ -744,6 +780,22 @@ class MemoryMeter:
             self._stats.reset_peak()
         self._folded_peak = max(self._folded_peak, peak)
         return peak
+
+    def count_until(self, storage: torch.UntypedStorage, holder: Any) -> None:
+        """CPU only: go on counting ``storage`` (if this meter counts it) after it dies, until
+        ``holder`` dies. A memory planner moving what autograd saves to the host counts, this
+        way, the memory the step would hold with it left on the device: the storage dies when
+        moved, autograd's hold on its host copy (the holder) ends when the device would free it."""
+        if self._tracker is None:
+            raise RuntimeError("MemoryMeter.count_until() is for a CPU meter, inside its region")
+        self._tracker.count_until(storage, holder)
+
+    def uncount(self, storage: torch.UntypedStorage) -> None:
+        """CPU only: stop counting ``storage`` in this meter alone, for as long as it lives (its
+        bytes are counted otherwise, e.g. through :meth:`count_until`); the peak is not touched."""
+        if self._tracker is None:
+            raise RuntimeError("MemoryMeter.uncount() is for a CPU meter, inside its region")
+        self._tracker.ignore(storage)
 
     @property
     def peak_above_baseline(self) -> int:

@@ -32,7 +32,8 @@ from torch.utils._pytree import tree_leaves
 from hyper_parallel.core.backend import Backend
 from hyper_parallel.integrations import find_layer_stack
 from hyper_parallel.planner.options import OpKey
-from hyper_parallel.planner.chain_prober import ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds, layer_output, tensors_in
+from hyper_parallel.planner.chain_prober import (OUT_OF_MEMORY, ChainProber, LayerLog, OpTimes, StepTrace, fastest_seconds,
+                                                 free_after_out_of_memory, layer_output, tensors_in)
 from hyper_parallel.planner.step_state import StepState
 from hyper_parallel.tools.clock import no_gc, step_clock
 from hyper_parallel.tools.gc_pause import live_objects
@@ -163,9 +164,117 @@ class _Recorder(TorchDispatchMode):
                     self._made(key, storage)
                     new_bytes += storage.nbytes()
                     made.append(key)
-        if self.log is not None and self.log.layer is not None and forward:
+        if self.log is not None and self.log.layer is not None and forward and not _OFFLOADING[0]:
             self.log.op(self.key_of(func, args), new_bytes, mutating, str(func) in EXPENSIVE_OPS, made)
         return out
+
+
+_OFFLOADING = [0]  # (> 0 while an _Offload hook copies: the op recorder does not log its ops as the layer's)
+
+
+class _Held:
+    """The host copy of one saved storage, shared by every tensor autograd saved of it; autograd
+    holds it (through what ``_Offload.pack`` returns) as long as it would hold the storage."""
+
+    def __init__(self, host: torch.Tensor, device: torch.device, layer: Optional[int]) -> None:
+        self.host = host
+        self.device = device
+        self.layer = layer
+        self.back: Optional[weakref.ref] = None  # the device copy while backward uses it
+
+
+class _Offload:
+    """Planning a step that does not fit as it is: every storage autograd saves outside a wrapped
+    layer is copied to a host buffer as it is saved, and back when backward unpacks it, so that the
+    device holds what the layers pass on and one backward node's saved tensors. Parameters stay.
+    With a ``meter``, that meter still counts what the step would hold with nothing moved: a moved
+    storage stays counted after it dies for as long as autograd holds its host copy (the moment the
+    device would free it), and the copies made for backward are not counted again. ``layer`` (set
+    by the caller) names the layer whose forward runs; the copies' seconds add up per layer in
+    ``forward_s`` / ``backward_s`` (by the layer that saved them) and in ``seconds``."""
+
+    def __init__(self, keep: set, meter: Optional[MemoryMeter] = None, clock: Optional[Callable[[], float]] = None,
+                 synchronize: Optional[Callable[[], None]] = None, log: Optional[LayerLog] = None) -> None:
+        self.keep = keep
+        self.meter = meter
+        self.log = log
+        self.layer: Optional[int] = None
+        self.now = clock
+        self.sync = synchronize or (lambda: None)
+        self.seconds = 0.0
+        self.forward_s: Dict[int, float] = {}
+        self.backward_s: Dict[int, float] = {}
+        self._held: Dict[int, weakref.ref] = {}  # storage key -> its _Held, while the storage lives
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def _timed(self, into: Dict[int, float], layer: Optional[int], copy: Callable[[], Any]) -> Any:
+        if self.now is None:
+            return copy()
+        self.sync()
+        t0 = self.now()
+        out = copy()
+        self.sync()
+        dt = self.now() - t0
+        self.seconds += dt
+        if layer is not None:
+            into[layer] = into.get(layer, 0.0) + dt
+        return out
+
+    def pack(self, t: torch.Tensor) -> Any:
+        layer = self.log.layer if self.log is not None else self.layer
+        logged = self.log is not None and layer is not None and t.layout is torch.strided and not t.is_meta
+        if t.layout is not torch.strided or t.is_meta or is_host_storage(t) or storage_key(t) in self.keep:
+            if logged:
+                self.log.save(storage_key(t), t.untyped_storage().nbytes())
+            return t.detach()
+        key = storage_key(t)
+        found = self._held.get(key)
+        held = found() if found is not None else None
+        if held is None:
+            storage = t.untyped_storage()
+            held = self._timed(self.forward_s, layer, lambda: self._to_host(storage, t.device, layer))
+            self._held[key] = weakref.ref(held)
+            weakref.finalize(storage, self._held.pop, key, None)
+            if self.meter is not None:
+                self.meter.count_until(storage, held)
+        if logged:
+            self.log.save(key, t.untyped_storage().nbytes(), name=("moved", id(held)))
+            t.detach()  # (the op the plain profile's hook runs, and logs with the layer's: the same ops either way)
+        return held, t.dtype, t.size(), t.stride(), t.storage_offset()
+
+    def _to_host(self, storage: torch.UntypedStorage, device: torch.device, layer: Optional[int]) -> _Held:
+        _OFFLOADING[0] += 1
+        try:
+            with host_allocation():
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8)
+            mark_host(host)
+            host.copy_(torch.empty(0, dtype=torch.uint8, device=device).set_(storage))
+        finally:
+            _OFFLOADING[0] -= 1
+        return _Held(host, device, layer)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        held, dtype, size, stride, offset = packed
+        back = held.back() if held.back is not None else None
+        if back is None:
+            back = self._timed(self.backward_s, held.layer, lambda: self._to_device(held))
+            held.back = weakref.ref(back)
+        return torch.empty(0, dtype=dtype, device=held.device).set_(back, offset, size, stride)
+
+    def _to_device(self, held: _Held) -> torch.UntypedStorage:
+        _OFFLOADING[0] += 1
+        try:
+            flat = held.host.to(held.device, copy=True)
+        finally:
+            _OFFLOADING[0] -= 1
+        storage = flat.untyped_storage()
+        if self.meter is not None:  # (counted already: the moved storage's bytes, until autograd lets go)
+            self.meter.uncount(storage)
+        return storage
 
 
 class TorchProber(ChainProber):
@@ -175,11 +284,13 @@ class TorchProber(ChainProber):
 
     name = "torch"
     tensor_type = torch.Tensor
+    out_of_memory = (torch.OutOfMemoryError,)
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
         self._labels: Dict[Any, str] = {}
         self._session: Optional[Tuple[List[torch.nn.Parameter], List[Any]]] = None  # (see _watched_state)
+        self._moving = False  # (planning a step that ran out of memory as it is: see in_training)
 
     # ------------------------------------------------------------------ names and sizes
     def key_of(self, op: Any, args: Tuple[Any, ...]) -> OpKey:
@@ -232,12 +343,18 @@ class TorchProber(ChainProber):
         device = torch.device(device)
         state = self._watched_state()
         recorder = _Recorder(state, self.key_of, self._backend.written_tensors)
+        ran_out = False
         try:
             with MemoryMeter(device) as meter:
                 with recorder:  # (the collector running, as in call 1 of a profile: see there)
                     step_fn()
+        except torch.OutOfMemoryError:  # (over what the device has: over any budget it can hold)
+            ran_out = True
         finally:
             state.restore()
+        if ran_out:
+            free_after_out_of_memory()
+            return OUT_OF_MEMORY
         return meter.peak_bytes - (_unrelated_bytes(recorder) if device.type == "cpu" else 0)
 
     @contextlib.contextmanager
@@ -250,24 +367,56 @@ class TorchProber(ChainProber):
         after the block."""
         state = self._watched_state(collect=2)
         try:
+            ran_out = False
             try:
                 with _Recorder(state, self.key_of, self._backend.written_tensors):
                     step_fn()
-            except torch.OutOfMemoryError as exc:
-                raise torch.OutOfMemoryError(
-                    "plan_memory: the step ran out of device memory as it is, with no layer wrapped. Planning runs "
-                    "the step as it is (once first, then to profile it), so it must fit the device while planning "
-                    "(planning a step that does not fit is not built yet): plan where it fits (a device with more "
-                    "memory), or, for a Hugging Face model, plan for this accelerator without running on it: python "
-                    "-m hyper_parallel.plan. Everything the step changed is put back. "
-                    f"({exc})") from exc
+            except torch.OutOfMemoryError:
+                ran_out = True
+            if ran_out:  # (outside the except clause: the failed step's tensors are gone with its traceback)
+                # Plan it with what autograd saves moved to the host while planning (``_moving_saved``):
+                # the device then holds about what the layers pass on, and the profile still counts
+                # every byte the step would hold as it is.
+                state.restore()
+                free_after_out_of_memory()
+                state = self._watched_state(collect=2)
+                self._move_saved_from_now()
+                try:
+                    with _Recorder(state, self.key_of, self._backend.written_tensors), self._moving_saved():
+                        step_fn()
+                except torch.OutOfMemoryError as exc:
+                    raise torch.OutOfMemoryError(
+                        "plan_memory: the step ran out of device memory as it is, and again with every activation "
+                        "autograd saves moved to the host while planning: what the step holds besides them "
+                        "(parameters, gradients, optimizer state, the layers' inputs and outputs, the loss head) "
+                        "does not fit. Plan where it fits (a device with more memory), or, for a Hugging Face "
+                        "model, plan for this accelerator without running on it: python -m hyper_parallel.plan. "
+                        f"Everything the step changed is put back. ({exc})") from exc
             state.restore_gradients()
             # (found after a step: what the first step makes lazily, FSDP2's unsharded parameters, is there)
             self._session = _live_training_objects()
             yield
         finally:
             self._session = None
+            self._moving = False
             state.restore()
+
+    def _move_saved_from_now(self) -> bool:
+        moving, self._moving = self._moving, True
+        return not moving
+
+    @contextlib.contextmanager
+    def _moving_saved(self, meter: Optional[MemoryMeter] = None, log: Optional[LayerLog] = None,
+                      device: Optional[torch.device] = None) -> Iterator[Optional[_Offload]]:
+        if not self._moving:
+            yield None
+            return
+        parameters = self._session[0] if self._session is not None else _live_training_objects()[0]
+        keep = {storage_key(t) for p in parameters for t in local_tensors(p)}
+        mover = _Offload(keep, meter, self._clock(device) if device is not None else None,
+                         (lambda: self.synchronize(device)) if device is not None else None, log)
+        with mover.hooks():
+            yield mover
 
     @staticmethod
     def collectives(group: Any) -> Optional[TorchCollectives]:
@@ -331,7 +480,12 @@ class TorchProber(ChainProber):
     def copy_bandwidth(device: torch.device, nbytes: int = 32 << 20) -> float:
         """Bytes per second of one direction of a host <-> device copy (pinned host memory on an
         accelerator; a memory copy on a CPU), the faster of three."""
-        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        try:
+            src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError:  # (a device short of memory: a smaller probe)
+            if nbytes <= 1 << 18:
+                raise
+            return TorchProber.copy_bandwidth(device, nbytes // 8)
         with host_allocation():
             dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type != "cpu")
         mark_host(dst)
@@ -358,6 +512,19 @@ class TorchProber(ChainProber):
     # ------------------------------------------------------------------ the step
     def _instrumented(self, layers: Sequence[torch.nn.Module], step_fn: Callable[[], Any],
                       device: torch.device) -> StepTrace:
+        ran_out = False
+        try:
+            return self._instrumented_once(layers, step_fn, device)
+        except torch.OutOfMemoryError:  # (the first step fitted, this one with its instruments does not)
+            if not self._move_saved_from_now():
+                raise
+            ran_out = True
+        assert ran_out  # (outside the except clause: the failed step's traceback is gone)
+        free_after_out_of_memory()
+        return self._instrumented_once(layers, step_fn, device)
+
+    def _instrumented_once(self, layers: Sequence[torch.nn.Module], step_fn: Callable[[], Any],
+                           device: torch.device) -> StepTrace:
         state = self._watched_state()
         log = self._layer_log()
         recorder = _Recorder(state, self.key_of, self._backend.written_tensors, log)
@@ -374,8 +541,9 @@ class TorchProber(ChainProber):
         # cycles a step leaves (2 MiB of the bench GPT's 182 MiB), which training collects. (Where
         # it runs can differ between data-parallel ranks: ranks combine the timeline at its largest.)
         try:
-            with MemoryMeter(device) as meter, recorder, \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with MemoryMeter(device) as meter, recorder, self._moving_saved(meter, log) as moved, \
+                    (contextlib.nullcontext() if moved is not None else
+                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
                 segments = self._segmented(layers, meter, step_fn, log.on_pre, log.on_post).segments
         finally:
             state.restore()
