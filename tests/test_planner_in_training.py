@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers", reason="transformers (the tes
 from hyper_parallel.core.activation_checkpoint import MemoryPlan, SwapManager, plan_memory  # noqa: E402
 from hyper_parallel.core.backend import active_backend  # noqa: E402
 from hyper_parallel.planner import Planner  # noqa: E402
+from hyper_parallel.planner import candidates as cand  # noqa: E402
 from hyper_parallel.planner.planner import make_plan  # noqa: E402
 from hyper_parallel.tools.memory import MemoryMeter  # noqa: E402
 from hyper_parallel.bench.hf_models import FAMILIES, batch, build, loss  # noqa: E402
@@ -234,6 +235,17 @@ def test_times_within_noise_of_each_other_do_not_change_the_plan():
                 shift = (float(torch.rand(1, generator=rng)) - 0.5) * planner.tolerance(key) / 10
                 effect.seconds = max(0.0, measured[(key, option)] + shift)
         assert [c.option for c in planner.plan(budget).choices] == chosen
+    # an option plus swapping its inputs, measured faster than the option by far more than the
+    # noise, costs the option's time: the two tie, and the one listed first is chosen
+    key = next(iter(planner.options))
+    rec, rec_in = (next(o for o in planner.options[key] if o == x) for x in (cand.RECOMPUTE, cand.RECOMPUTE_SWAP_INPUTS))
+    planner.effects[(key, rec)].seconds = 1.0
+    planner.effects[(key, rec_in)].seconds = 0.5
+    planner._derived.clear()
+    assert planner.seconds(key, rec_in) == planner.seconds(key, rec) == 1.0
+    planner.effects[(key, rec_in)].seconds = 2.0
+    planner._derived.clear()
+    assert planner.seconds(key, rec_in) == 2.0 and planner.seconds(key, rec) == 1.0
 
 
 @pytest.mark.slow

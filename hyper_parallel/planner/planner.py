@@ -164,13 +164,19 @@ class Planner:
         twice gives one plan, whatever the noise. (Anchored on listed options, not on the fastest
         of a sorted run: two options within noise of each other, ``recompute`` and ``recompute,
         swap inputs``, never land in different groups because a third one moved; and an option's
-        cost is never more than the tolerance away from its own time.)"""
+        cost is never more than the tolerance away from its own time.) An option that is another
+        listed one plus swapping the region's inputs does that one's work and more: measured
+        faster, it costs that one's time (the noise of two probes, which would otherwise pick
+        either of the two, planning the same step twice)."""
         grouped = self._derived.get(("grouped", key))
         if grouped is None:
             tol = self.tolerance(key)
             grouped, anchors = {}, []
             for o in self.options[key]:
                 t = self.effect(key, o).seconds
+                less = dataclasses.replace(o, swap_inputs=False) if o.swap_inputs else None
+                if less in self.options[key]:
+                    t = max(t, self.effect(key, less).seconds)
                 anchor = next((a for a in anchors if abs(t - a) <= tol), None)
                 if anchor is None:  # (no earlier option within noise: this one starts a group)
                     anchors.append(t)
