@@ -109,6 +109,30 @@ def test_host_buffers_never_count_against_the_cap():
     assert buf.numel() == 8 * MiB and meter.peak_bytes == kept.nbytes
 
 
+def test_a_storage_counted_until_its_holder_dies_and_one_uncounted():
+    # (how planning a step that does not fit counts a saved storage it moved to the host: as if
+    # it stayed on the device until autograd lets go of its host copy)
+    class Holder:
+        pass
+
+    with MemoryMeter("cpu", scan_gc=False, cap=3 * MiB) as meter:
+        moved = torch.zeros(MiB // 4)  # 1 MiB
+        holder = Holder()
+        meter.count_until(moved.untyped_storage(), holder)
+        del moved
+        assert meter.current_bytes == MiB  # (dead, still counted: its holder lives)
+        back = torch.zeros(MiB // 4)  # the copy made for backward: counted already, through the holder
+        meter.uncount(back.untyped_storage())
+        assert meter.current_bytes == MiB
+        back.add_(1)
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.zeros(MiB // 2 + 1)  # 2 MiB and 4 bytes more: past the cap, the dead storage counted
+        del holder
+        assert meter.current_bytes == 0  # (the holder gone: so are its bytes; the uncounted copy never was)
+        torch.zeros(MiB // 2 + 1)
+    assert meter.peak_bytes == 2 * MiB + 4  # (the last: the refused one never counted)
+
+
 # ---------------------------------------------------------------------------- training under a cap
 def _gpt():
     cfg = GPTConfig(vocab=256, dim=64, heads=4, layers=4, seq=64, dropout=0.1)
