@@ -111,8 +111,8 @@ class Planner:
 
     def _leave_out(self, key: str, option: LayerOption) -> None:
         """Planning a step that does not fit as it is: ``option``'s probe (a chain of copies with
-        the model's state alive) ran out of device memory, so the device cannot hold a plan that
-        uses it either; it is no longer weighed for layers of type ``key`` (swap everything: no
+        the model's state alive, its neighbours as frugal as they come) ran out of device memory,
+        so a plan using it is taken not to fit either; it is no longer weighed for layers of type ``key`` (swap everything: no
         swap option is, their models rest on it)."""
         dropped = [o for o in self.options[key] if o == option or option == cand.SWAP_ALL and o.kind == "swap"]
         self.options[key] = [o for o in self.options[key] if o not in dropped]
