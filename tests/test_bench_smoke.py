@@ -38,14 +38,19 @@ TINY_ARGS = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq", "16", "--b
              "--threads", "1"]
 
 
-def _run_bench(extra, tmp_path, name):
-    out = tmp_path / f"{name}.json"
+def _bench_process(args, tmp_path):
+    """``python -m hyper_parallel.bench`` on the tiny model with ``args``, run in ``tmp_path``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run(
-        [sys.executable, "-m", "hyper_parallel.bench", *TINY_ARGS, "--json", str(out), "--no-progress", *extra],
+    return subprocess.run(
+        [sys.executable, "-m", "hyper_parallel.bench", *TINY_ARGS, "--no-progress", *args],
         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
     )
+
+
+def _run_bench(extra, tmp_path, name):
+    out = tmp_path / f"{name}.json"
+    proc = _bench_process(["--json", str(out), *extra], tmp_path)
     report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
     assert proc.returncode == 0, report
     assert out.exists(), report
@@ -102,13 +107,7 @@ def test_bench_swap_wrapper_modes_match_baseline(tmp_path):
 def test_bench_reports_a_failing_worker(tmp_path):
     # a worker that raises (a memory plan for a budget of one byte, which no plan fits) must make the
     # bench exit non-zero and show the worker's own error, after the modes that did run
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run(
-        [sys.executable, "-m", "hyper_parallel.bench", *TINY_ARGS, "--modes", "recompute", "--budget", "1",
-         "--no-progress"],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
-    )
+    proc = _bench_process(["--modes", "recompute", "--budget", "1"], tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "worker 'plan@1' failed" in proc.stderr
     assert "no plan fits a budget of 1 B" in proc.stderr  # the worker's own error is shown
@@ -117,13 +116,7 @@ def test_bench_reports_a_failing_worker(tmp_path):
 
 @pytest.mark.slow
 def test_bench_stops_a_worker_past_its_timeout_and_says_so(tmp_path):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run(
-        [sys.executable, "-m", "hyper_parallel.bench", *TINY_ARGS, "--modes", "recompute", "--timeout", "0.01",
-         "--no-progress"],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
-    )
+    proc = _bench_process(["--modes", "recompute", "--timeout", "0.01"], tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "worker 'none' failed: timed out after 0.01s" in proc.stderr
 
