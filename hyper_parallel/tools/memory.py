@@ -219,7 +219,7 @@ class _CpuStorageTracker:
         self.active = False
         self._holders: dict[int, weakref.ref] = {}  # id(storage) -> its holder (``count_until``)
         self._ignored: dict[int, weakref.ref] = {}  # id(storage) -> the storage, never counted (``ignore``)
-        self._held: list[weakref.ref] = []  # holders of dead storages still counted
+        self._held: dict[int, weakref.ref] = {}  # id(ref) -> a holder of a dead storage still counted
 
     # -- peak ------------------------------------------------------------------------
     def _commit(self) -> None:
@@ -322,15 +322,15 @@ class _CpuStorageTracker:
                     if holder is None:
                         self._sub(entry[1])
                     else:  # (its bytes stay counted until the holder dies: ``count_until``)
-                        self._held.append(weakref.ref(holder, self._on_release_cb(entry[1])))
+                        held = weakref.ref(holder, self._on_release_cb(entry[1]))
+                        self._held[id(held)] = held
 
         return _on_death
 
     def _on_release_cb(self, nbytes: int) -> Callable[[weakref.ref], None]:
         def _on_release(ref: weakref.ref) -> None:
             with self._lock:
-                if self.active and ref in self._held:
-                    self._held.remove(ref)
+                if self.active and self._held.pop(id(ref), None) is not None:
                     self._sub(nbytes)
 
         return _on_release

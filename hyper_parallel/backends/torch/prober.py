@@ -93,10 +93,7 @@ class _StepState(StepState):
         return storage_key(t) if _backed(t) else None
 
     def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        with host_allocation():
-            host = t.detach().to("cpu", copy=True)
-        mark_host(host)  # (never counted as device memory by a CPU meter)
-        return host
+        return _on_host(t)
 
     def _write_back(self, written: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         with torch.no_grad():
@@ -247,10 +244,7 @@ class _Offload:
     def _to_host(self, storage: torch.UntypedStorage, device: torch.device, layer: Optional[int]) -> _Held:
         _OFFLOADING[0] += 1
         try:
-            with host_allocation():
-                host = torch.empty(storage.nbytes(), dtype=torch.uint8)
-            mark_host(host)
-            host.copy_(torch.empty(0, dtype=torch.uint8, device=device).set_(storage))
+            host = _on_host(torch.empty(0, dtype=torch.uint8, device=device).set_(storage))
         finally:
             _OFFLOADING[0] -= 1
         return _Held(host, device, layer)
@@ -512,15 +506,12 @@ class TorchProber(ChainProber):
     # ------------------------------------------------------------------ the step
     def _instrumented(self, layers: Sequence[torch.nn.Module], step_fn: Callable[[], Any],
                       device: torch.device) -> StepTrace:
-        ran_out = False
         try:
             return self._instrumented_once(layers, step_fn, device)
         except torch.OutOfMemoryError:  # (the first step fitted, this one with its instruments does not)
             if not self._move_saved_from_now():
                 raise
-            ran_out = True
-        assert ran_out  # (outside the except clause: the failed step's traceback is gone)
-        free_after_out_of_memory()
+        free_after_out_of_memory()  # (past the except clause: the failed step's traceback is gone)
         return self._instrumented_once(layers, step_fn, device)
 
     def _instrumented_once(self, layers: Sequence[torch.nn.Module], step_fn: Callable[[], Any],
@@ -767,11 +758,17 @@ def _host_copy(value: Any) -> Any:
     as a Hugging Face cache holding earlier layers' keys), are detached host copies."""
     memo: Dict[int, Any] = {}
     for t in _tensors_within(value):
-        with host_allocation():
-            host = t.detach().to("cpu", copy=True)
-        mark_host(host)
-        memo[id(t)] = host
+        memo[id(t)] = _on_host(t)
     return copy.deepcopy(value, memo)
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``t`` in host memory, marked so (never counted as device memory by a CPU
+    meter, nor refused by its cap)."""
+    with host_allocation():
+        host = t.detach().to("cpu", copy=True)
+    mark_host(host)
+    return host
 
 
 def _tensors_within(value: Any) -> Iterator[torch.Tensor]:
