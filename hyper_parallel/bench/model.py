@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, ClassVar, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hyper_parallel.backends.torch.phase_trace import ModelFactory
 
 
 @dataclass
@@ -164,6 +166,21 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def model_factory(cfg: Optional[GPTConfig] = None) -> ModelFactory:
+    """The GPT of ``cfg`` (default: the bench's, ``GPTConfig()``) as the target planner's model
+    factory: built with as few layers as the planner traces, its loss the cross-entropy on the
+    batch's own tokens. On the command line::
+
+        python -m hyper_parallel.plan hyper_parallel.bench.model:model_factory --seq 256 --precision fp32 --target this
+
+    >>> model_factory(GPTConfig(layers=6)).layers
+    6
+    """
+    cfg = cfg if cfg is not None else GPTConfig()
+    return ModelFactory(lambda layers: GPT(replace(cfg, layers=layers)), cfg.layers,
+                        lambda model, ids: model(ids, ids), name=f"bench GPT ({cfg.layers} layers, dim {cfg.dim})")
 
 
 def make_batch(cfg: GPTConfig, batch: int, seed: int, device: Any = "cpu"):

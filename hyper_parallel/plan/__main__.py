@@ -1,7 +1,8 @@
 """``python -m hyper_parallel.plan``: plan a training step for an accelerator you do not have.
 
 Describe the run the way you think of it: a Hugging Face model (a built-in configuration, or the
-path of a ``config.json``), the sequence length and batch, precision, optimizer, data parallelism,
+path of a ``config.json``) or a model factory (``package.module:name``, a ``ModelFactory`` or a
+function of no arguments returning one: ``backends/torch/phase_trace.py``), the sequence length and batch, precision, optimizer, data parallelism,
 FSDP2 sharding, pipeline stages, and the activation recipe; and the accelerator (a built-in
 target, ``this`` machine calibrated by a micro-benchmark, or a JSON file). It prints whether the
 step fits, its peak allocated and reserved bytes against the target's memory, the smallest peak
@@ -13,6 +14,7 @@ Examples::
     python -m hyper_parallel.plan llama3-8b --seq 8192 --target h100-sxm --recipe full
     python -m hyper_parallel.plan llama3-70b --seq 8192 --fsdp 8 --target h200 --recipe plan --budget 120GiB
     python -m hyper_parallel.plan path/to/config.json --seq 4096 --batch 2 --target my_card.json --json
+    python -m hyper_parallel.plan hyper_parallel.bench.model:model_factory --seq 256 --precision fp32 --target this
     python -m hyper_parallel.plan --list-targets
 
 Exit status: 0 when the report was printed, 2 for a bad input (the message says what to do),
@@ -22,6 +24,7 @@ Exit status: 0 when the report was printed, 2 for a bad input (the message says 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -32,8 +35,10 @@ from hyper_parallel.planner.budget import format_bytes, parse_budget
 from hyper_parallel.planner.model_configs import MODEL_CONFIGS, resolve_model
 from hyper_parallel.planner.targets import TARGETS, Target, load_target_file, table_rows, target
 from hyper_parallel.backends.torch.calibrate import calibrate_this_machine
+from hyper_parallel.backends.torch.phase_trace import ModelFactory
 
-__all__ = ["main", "build_parser", "format_report", "condense_plan", "plan_runs", "resolve_target", "list_targets"]
+__all__ = ["main", "build_parser", "format_report", "condense_plan", "plan_runs", "resolve_target", "resolve_factory",
+           "list_targets"]
 
 PRECISIONS = ("bf16-mixed", "bf16", "fp16-amp", "fp32")
 OPTIMIZERS = ("adamw", "adamw-fused", "sgd")
@@ -59,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "you do not have: bytes from a meta-device trace, time from a roofline of the target's "
                     "published figures (docs/targets.md).")
     p.add_argument("model", nargs="?",
-                   help=f"a built-in configuration ({', '.join(MODEL_CONFIGS)}) or the path of a Hugging Face "
-                        "config.json (or of the folder holding it)")
+                   help=f"a built-in configuration ({', '.join(MODEL_CONFIGS)}), the path of a Hugging Face "
+                        "config.json (or of the folder holding it), or a model factory as package.module:name")
     p.add_argument("--seq", type=_positive_int, help="sequence length in tokens (required)")
     p.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size per device (default 1)")
     p.add_argument("--grad-accum", type=_positive_int, default=1, dest="grad_accum",
@@ -100,6 +105,25 @@ def resolve_target(spec: str) -> Target:
         return target(spec)
     except ValueError as e:
         raise ValueError(f"{e}; or 'this' for this machine") from None
+
+
+def resolve_factory(spec: str) -> Any:
+    """``package.module:name``: the user's model factory (a ``ModelFactory``, or a function of no
+    arguments returning one), imported as the command line is asked to (the user's own code)."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module_name!r} for the model factory {spec!r}: {e}") from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise ValueError(f"{module_name} has no {attr!r} (the model factory {spec!r})")
+    if not isinstance(factory, ModelFactory) and callable(factory):
+        factory = factory()
+    if not isinstance(factory, ModelFactory):
+        raise ValueError(f"{spec} is a {type(factory).__name__}, not a ModelFactory (or a function of no arguments "
+                         "returning one)")
+    return factory
 
 
 def list_targets(as_json: bool = False) -> str:
@@ -234,10 +258,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--budget is the plan recipe's budget: add --recipe plan (the recipe {args.recipe!r} "
                      "takes no budget)")
     try:
-        label, config, source = resolve_model(args.model)
+        if ":" in args.model and not os.path.exists(args.model):
+            config = resolve_factory(args.model)
+            label, source = config.name, args.model
+        else:
+            label, config, source = resolve_model(args.model)
     except ValueError as e:
         parser.error(str(e))
-    layers = config.get("num_hidden_layers")
+    layers = config.layers if isinstance(config, ModelFactory) else config.get("num_hidden_layers")
     if isinstance(layers, int) and args.pp > layers:
         parser.error(f"--pp {args.pp} is more pipeline stages than the model's {layers} layers "
                      "(give at most one stage per layer)")
@@ -254,7 +282,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if budget > device.memory_bytes:
             parser.error(f"--budget {args.budget} ({format_bytes(budget)}) is more than {device.name}'s memory "
                          f"({format_bytes(device.memory_bytes)}): lower the budget or pick a larger --target")
-    max_positions = config.get("max_position_embeddings")
+    max_positions = None if isinstance(config, ModelFactory) else config.get("max_position_embeddings")
     if isinstance(max_positions, int) and args.seq > max_positions:
         print(f"{_PROG}: note: --seq {args.seq} is longer than the model's max_position_embeddings "
               f"({max_positions})", file=sys.stderr)

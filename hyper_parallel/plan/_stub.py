@@ -1,8 +1,8 @@
 """The contract of the target planner the command line calls (implemented in
 ``plan/target_planner.py``; this module keeps the contract and the name the command line imports).
 
-``plan_for_target`` plans one training step of a Hugging Face model for a described accelerator
-and returns a dict with the keys of :data:`RESULT_KEYS`:
+``plan_for_target`` plans one training step of a Hugging Face model (or of a model factory's,
+``backends/torch/phase_trace.ModelFactory``) for a described accelerator and returns a dict with the keys of :data:`RESULT_KEYS`:
 
 - ``fits`` (bool): the step's peak, as the target's allocator reserves it, is within the target's
   memory (and within ``budget`` for the ``plan`` recipe);
@@ -30,11 +30,11 @@ RESULT_KEYS = ("fits", "peak_allocated_bytes", "peak_reserved_bytes", "minimum_b
                "step_s", "bound", "notes", "measured_or_modelled")
 
 
-def plan_for_target(config: Dict[str, Any], *, seq: int, batch: int, grad_accum: int, precision: str,
+def plan_for_target(config: Any, *, seq: int, batch: int, grad_accum: int, precision: str,
                     optimizer: str, dp: int, fsdp: int, reshard_after_forward: bool, pp: int, recipe: str,
                     budget: Optional[int], target: Target) -> Dict[str, Any]:
-    """Plan one training step of the model ``config`` (a Hugging Face ``config.json`` as a dict)
-    for ``target`` (see the module docstring for what it returns; the answer may carry more keys,
+    """Plan one training step of the model ``config`` (a Hugging Face ``config.json`` as a dict,
+    or a ``ModelFactory``) for ``target`` (see the module docstring for what it returns; the answer may carry more keys,
     e.g. ``peak_parts``: what the peak itself is made of)."""
     from hyper_parallel.plan.target_planner import plan_for_target as plan  # (torch and transformers load here)
 

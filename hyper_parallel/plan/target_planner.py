@@ -1,9 +1,10 @@
-"""``plan_for_target``: one training step of a Hugging Face model, planned for a described
-accelerator without running on it (the contract: ``plan/_stub.py``; the command line:
-``plan/__main__.py``).
+"""``plan_for_target``: one training step of a Hugging Face model (or of a model factory's),
+planned for a described accelerator without running on it (the contract: ``plan/_stub.py``; the
+command line: ``plan/__main__.py``).
 
-The pieces, one concept each: ``backends/torch/hf_trace.py`` traces the step of the model cut down to a
-few layers on the meta device, once per activation option; ``planner/step_model.py`` composes the
+The pieces, one concept each: ``backends/torch/phase_trace.py`` traces the step of the model cut
+down to a few layers on the meta device, once per activation option (``hf_trace.py`` builds a
+Hugging Face model from its configuration for it); ``planner/step_model.py`` composes the
 whole step from the traces (its bytes, what they are made of, its time on the target) and
 searches the plans; this module picks the traces a recipe needs and writes the answer, every
 number marked: on a target you do not have nothing is measured, so every number is ``modelled``
@@ -15,12 +16,13 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
 from hyper_parallel.planner.budget import format_bytes
-from hyper_parallel.backends.torch.hf_trace import trace_optimizer, trace_step
+from hyper_parallel.backends.torch.hf_trace import trace_step
+from hyper_parallel.backends.torch.phase_trace import ModelFactory, trace_factory, trace_optimizer
 from hyper_parallel.planner.step_model import PARTS, Run, StepModel, bound_of
 from hyper_parallel.planner.targets import Target
 
@@ -36,16 +38,29 @@ _OPTIMIZERS = ("adamw", "adamw-fused", "sgd")
 
 
 @functools.lru_cache(maxsize=32)
-def _trace(config_json: str, seq: int, batch: int, dtype: torch.dtype, option: str, allocator: str, attention: str,
-           accumulate: bool) -> Any:
-    """``trace_step``, remembered: a traced step depends only on these arguments (the recipes of
+def _trace(model: Union[str, ModelFactory], seq: int, batch: int, dtype: torch.dtype, option: str, allocator: str,
+           attention: str, accumulate: bool) -> Any:
+    """The step traced, remembered: a traced step depends only on these arguments (the recipes of
     one run, or plans of one model for several targets of one allocator, share their traces).
-    The traces are read, never changed, by the step model."""
-    return trace_step(json.loads(config_json), seq=seq, batch=batch, dtype=dtype, option=option,
+    ``model``: a Hugging Face config as JSON, or a model factory (remembered by identity). The
+    traces are read, never changed, by the step model."""
+    if isinstance(model, ModelFactory):
+        return trace_factory(model, seq=seq, batch=batch, dtype=dtype, option=option, allocator=allocator,
+                             attention=attention, accumulate=accumulate)
+    return trace_step(json.loads(model), seq=seq, batch=batch, dtype=dtype, option=option,
                       allocator=allocator, attention=attention, accumulate=accumulate)
 
 
-def _check(run: Run, recipe: str, budget: Optional[int], config: Dict[str, Any]) -> None:
+def _layer_count(model: Union[Dict[str, Any], ModelFactory]) -> int:
+    if isinstance(model, ModelFactory):
+        return model.layers
+    layers = model.get("num_hidden_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise ValueError("the config names no num_hidden_layers (a Hugging Face decoder config has it)")
+    return layers
+
+
+def _check(run: Run, recipe: str, budget: Optional[int], config: Union[Dict[str, Any], ModelFactory]) -> None:
     if recipe not in RECIPE_TRACES:
         raise ValueError(f"unknown recipe {recipe!r}; use one of {', '.join(RECIPE_TRACES)}")
     if run.precision not in _DTYPES:
@@ -57,23 +72,25 @@ def _check(run: Run, recipe: str, budget: Optional[int], config: Dict[str, Any])
     for name in ("seq", "batch", "grad_accum", "dp", "fsdp", "pp"):
         if getattr(run, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(run, name)}")
-    if not isinstance(config.get("num_hidden_layers"), int) or config["num_hidden_layers"] < 1:
-        raise ValueError("the config names no num_hidden_layers (a Hugging Face decoder config has it)")
-    if run.pp > config["num_hidden_layers"]:
-        raise ValueError(f"pp {run.pp} is more pipeline stages than the model's {config['num_hidden_layers']} layers")
+    layers = _layer_count(config)
+    if run.pp > layers:
+        raise ValueError(f"pp {run.pp} is more pipeline stages than the model's {layers} layers")
+    if recipe == "hf-gc" and isinstance(config, ModelFactory):
+        raise ValueError("hf-gc is Hugging Face's gradient checkpointing; a model factory takes full or selective")
 
 
-def plan_for_target(config: Dict[str, Any], *, seq: int, batch: int, grad_accum: int, precision: str,
-                    optimizer: str, dp: int, fsdp: int, reshard_after_forward: bool, pp: int, recipe: str,
-                    budget: Optional[int], target: Target) -> Dict[str, Any]:
-    """Plan one training step of the model ``config`` (a Hugging Face ``config.json`` as a dict)
-    for ``target``; returns the dict of ``plan/_stub.py``'s ``RESULT_KEYS``. A ``plan`` budget
-    below the smallest reachable peak is a ``ValueError`` that names both."""
+def plan_for_target(config: Union[Dict[str, Any], ModelFactory], *, seq: int, batch: int, grad_accum: int,
+                    precision: str, optimizer: str, dp: int, fsdp: int, reshard_after_forward: bool, pp: int,
+                    recipe: str, budget: Optional[int], target: Target) -> Dict[str, Any]:
+    """Plan one training step of the model ``config`` (a Hugging Face ``config.json`` as a dict, or
+    a :class:`~hyper_parallel.backends.torch.phase_trace.ModelFactory`) for ``target``; returns
+    the dict of ``plan/_stub.py``'s ``RESULT_KEYS``. A ``plan`` budget below the smallest
+    reachable peak is a ``ValueError`` that names both."""
     run = Run(seq, batch, grad_accum, precision, optimizer, dp, fsdp, reshard_after_forward, pp)
     _check(run, recipe, budget, config)
     dtype = _DTYPES[precision]
     attention = "cpu" if target.allocator == "exact" else "cuda"
-    key = json.dumps(config, sort_keys=True, default=str)
+    key = config if isinstance(config, ModelFactory) else json.dumps(config, sort_keys=True, default=str)
     traces = {option: _trace(key, seq, batch, dtype, option, target.allocator, attention, grad_accum > 1)
               for option in RECIPE_TRACES[recipe]}
     none = traces["none"]
@@ -128,7 +145,7 @@ def _notes(traces: Dict[str, Any], run: Run, target: Target, recipe: str, walk: 
                      f"min(pp, grad-accum) micro-batches' activations, the last one the loss head: modelled)")
     notes.append(f"activations, loss head and optimizer temporaries: traced on the meta device ({none.traced} of "
                  f"{len(none.kinds)} layers; layers of one kind traced once), each request rounded as the "
-                 f"{target.allocator} allocator rounds it; parameters, gradients, optimizer state, gathered "
+                 f"{target.allocator} allocator rounds it; parameters, buffers, gradients, optimizer state, gathered "
                  "parameters and communication buffers: arithmetic on the traced parameter shapes "
                  "(planner/step_model.py states each rule)")
     if run.mixed:

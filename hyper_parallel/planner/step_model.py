@@ -31,7 +31,11 @@ What is **modelled** (arithmetic on the traced parameter shapes, each a stated r
   start with gradient accumulation); the layer's unsharded gradients in the reduce dtype (float32)
   while reduce-scattered (FSDP2) or cast (mixed precision), and DDP's buckets (a second copy of the
   gradients, ``gradient_as_bucket_view=False``, PyTorch's default) as communication buffers;
-- optimizer state: AdamW's two states in the master dtype, sharded; SGD without momentum: none;
+- optimizer state: AdamW's two states in the master dtype, sharded, and its step counter, a
+  float32 scalar per parameter tensor, on the device where PyTorch puts it there (fused AdamW, or
+  the device is the CPU: the ``exact`` allocator), on the host otherwise; SGD without momentum: none;
+- buffers (a causal mask, rotary tables): as traced, on every rank, neither sharded nor cast (FSDP2
+  leaves buffers as they are); a layer's with the layer, the rest with the embedding's stage;
 - swap (a layer's saved activations offloaded to host memory after its forward, brought back
   before its backward, as ``core/swap_*`` schedules them): the layer keeps only its output on the
   device; the previous layer's saved bytes are still on the device while this layer runs (the
@@ -63,7 +67,7 @@ PLAN_OPTIONS = ("none", "selective", "recompute", "swap")
 #: Which trace stands for each option (``swap`` is modelled from ``none``).
 TRACE_OF = {"none": "none", "selective": "selective", "recompute": "full", "swap": "none", "hf-gc": "hf-gc"}
 
-PARTS = ("parameters", "gathered parameters", "gradients", "optimizer state", "optimizer temporaries",
+PARTS = ("parameters", "buffers", "gathered parameters", "gradients", "optimizer state", "optimizer temporaries",
          "activations", "loss head", "communication buffers")
 
 
@@ -313,7 +317,11 @@ class StepModel:
         out: Dict[str, List[int]] = {"parameters": self._sized(numels, run.master_bytes),
                                      "grads": self._sized(numels, run.master_bytes)}
         out["optimizer state"] = (out["parameters"] * 2) if run.optimizer.startswith("adamw") else []
+        if run.optimizer == "adamw-fused" or (run.optimizer == "adamw" and self.alloc == "exact"):
+            out["optimizer state"] += [allocated_size(4, self.alloc)] * len(numels)  # (the step counters)
         out["ddp buckets"] = self._sized(numels, run.master_bytes) if (run.dp > 1 and run.fsdp == 1) else []
+        out["buffers"] = [b for b in [tr.layer_buffers[tr.traced_index(i)] for i in layers]
+                          + ([tr.other_buffers] if embed else []) if b]
         return out, groups
 
     def _walk_stage(self, plan: Sequence[str], name: str, layers: range, embed: bool, head: bool, flight: int,
@@ -323,8 +331,9 @@ class StepModel:
         static, groups = self._static(layers, embed, head)
         key = ("sums", layers.start, layers.stop, embed, head)
         if key not in self._memo:
-            self._memo[key] = tuple(sum(static[k]) for k in ("parameters", "optimizer state", "ddp buckets", "grads"))
-        params, states, buckets, all_grads = self._memo[key]
+            self._memo[key] = tuple(sum(static[k]) for k in ("parameters", "optimizer state", "ddp buckets", "grads",
+                                                             "buffers"))
+        params, states, buckets, all_grads, buffers = self._memo[key]
         grad_sizes = static["grads"]
         costs = [self.layer_cost(plan[i], i) for i in layers]
         grads_all = run.grad_accum > 1  # (later micro-batches start with every gradient there)
@@ -339,8 +348,8 @@ class StepModel:
 
         def candidate(extra: Dict[str, int], sizes: Sequence[int] = ()) -> None:
             nonlocal best
-            parts = {"parameters": params, "gathered parameters": always_gathered, "gradients": grads,
-                     "optimizer state": states, "optimizer temporaries": 0, "activations": act, "loss head": lhead,
+            parts = {"parameters": params, "buffers": buffers, "gathered parameters": always_gathered,
+                     "gradients": grads, "optimizer state": states, "optimizer temporaries": 0, "activations": act, "loss head": lhead,
                      "communication buffers": buckets}
             for k, v in extra.items():
                 parts[k] += v
@@ -441,7 +450,8 @@ class StepModel:
         sizes: List[int] = []
         if with_sizes and where is not None:
             n_kept, peak_sizes, grads_then = where
-            sizes = list(static["parameters"]) + list(static["optimizer state"]) + list(static["ddp buckets"])
+            sizes = list(static["parameters"]) + list(static["buffers"]) + list(static["optimizer state"]) + \
+                list(static["ddp buckets"])
             sizes += grad_sizes if grads_then else []
             for group in kept[:n_kept]:
                 sizes.extend(group)
@@ -538,7 +548,7 @@ class StepModel:
         # then the one that keeps least)
         tried.sort(key=lambda x: (x[0], x[2]["swap"], x[2]["recompute"], x[2]["selective"], x[1]))
         static, _ = self._static(range(n), True, True)
-        floor = sum(static["parameters"]) + sum(static["optimizer state"]) + \
+        floor = sum(static["parameters"]) + sum(static["buffers"]) + sum(static["optimizer state"]) + \
             (sum(static["grads"]) if self.run.grad_accum > 1 else 0)
         for _, keep, counts in tried:
             if self.run.pp == 1 and floor + keep > budget:  # (live at the end of the forward: cannot fit)
