@@ -167,3 +167,45 @@ def test_the_command_line_plans_a_model_factory(capsys):
     with pytest.raises(SystemExit):
         cli.main(["no_such_module_xyz:factory", "--seq", "64"])
     assert "cannot import 'no_such_module_xyz'" in capsys.readouterr().err
+
+
+def _same_answer(a, b):
+    keys = ("peak_allocated_bytes", "peak_reserved_bytes", "minimum_bytes", "minimum_parts", "plan", "peak_parts",
+            "step_s", "fits")
+    return {k: a[k] for k in keys} == {k: b[k] for k in keys}
+
+
+@pytest.mark.parametrize("recipe", ["none", "full", "plan"])
+def test_a_live_model_plans_for_a_target_as_its_factory_does_and_is_left_as_it_was(recipe):
+    """``ModelFactory.from_model``: a model you have (trained a step, gradients and all) planned
+    for a target through a meta copy of it: the same answer as the factory that builds it, for the
+    bench GPT and a Hugging Face Llama (``hf_trace.model_factory``) on an H100 and on this CPU;
+    the live model's parameters, gradients and devices are untouched and nothing of it is copied
+    (its storages are the only ones, and the trace runs on meta tensors)."""
+    from hyper_parallel.backends.torch.hf_trace import build_model, model_factory as hf_factory
+    from hyper_parallel.planner.targets import target
+    from test_target_plan import SMALL
+
+    llama = SMALL["llama"]
+    live_gpt = GPT(CFG, seed=1)
+    live_llama = build_model(llama, llama["num_hidden_layers"], torch.float32, "cpu")
+    tokens, targets = make_batch(CFG, BATCH, seed=2)
+    live_gpt(tokens, targets).backward()
+    before = {name: (p.detach().clone(), p.grad.clone()) for name, p in live_gpt.named_parameters()}
+    cases = [(ModelFactory.from_model(live_gpt, lambda m, ids: m(ids, ids)), model_factory(CFG)),
+             (hf_factory(live_llama), llama)]
+    for tgt, precision in ((target("h100-sxm"), "bf16-mixed"), (CPU_EXACT, "fp32")):
+        for live, planned in cases:
+            kw = dict(seq=SEQ, batch=BATCH, grad_accum=1, precision=precision, optimizer="adamw", dp=1, fsdp=1,
+                      reshard_after_forward=True, pp=1, recipe=recipe, target=tgt)
+            budget = None
+            if recipe == "plan":
+                none = plan_for_target(planned, **{**kw, "recipe": "none"}, budget=None)
+                full = plan_for_target(planned, **{**kw, "recipe": "full"}, budget=None)
+                budget = (full["peak_reserved_bytes"] + none["peak_reserved_bytes"]) // 2
+            assert _same_answer(plan_for_target(live, **kw, budget=budget), plan_for_target(planned, **kw,
+                                                                                            budget=budget))
+    for name, p in live_gpt.named_parameters():
+        assert p.device.type == "cpu" and torch.equal(p, before[name][0]) and torch.equal(p.grad, before[name][1])
+    assert all(p.grad is None and p.device.type == "cpu" for p in live_llama.parameters())
+    assert len(live_gpt.layers) == CFG.layers and len(live_llama.model.layers) == llama["num_hidden_layers"]

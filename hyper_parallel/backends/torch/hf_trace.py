@@ -25,10 +25,10 @@ from transformers import AttentionInterface, AttentionMaskInterface, masking_uti
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .meta_trace import FusedAttentionOnMeta
-from .phase_trace import TracedStep, decoder_layers, trace_phases, traced_layer_count
+from .phase_trace import ModelFactory, TracedStep, decoder_layers, trace_phases, traced_layer_count
 from hyper_parallel.planner.model_configs import config_kwargs
 
-__all__ = ["trace_step", "build_model", "layer_kinds"]
+__all__ = ["trace_step", "build_model", "layer_kinds", "causal_lm_loss", "model_factory"]
 
 
 def layer_kinds(config: Dict[str, Any]) -> List[str]:
@@ -97,6 +97,23 @@ def _one_sequence_per_row_on_meta() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
+def causal_lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face causal LM's training loss on ``ids`` (its own tokens as labels), on real or
+    meta tensors (the one question about the data the mask code asks of meta tensors is answered:
+    :func:`_one_sequence_per_row_on_meta`). The training loop keeps the loss only: the logits die
+    with the output."""
+    with _one_sequence_per_row_on_meta():
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def model_factory(model: torch.nn.Module) -> ModelFactory:
+    """A Hugging Face causal LM you have, as the target planner's model factory
+    (``ModelFactory.from_model`` with :func:`causal_lm_loss` and the kinds of its layers)."""
+    kinds = layer_kinds(model.config.to_dict())
+    return ModelFactory.from_model(model, causal_lm_loss, kinds=kinds,
+                                   name=f"{type(model).__name__} ({len(kinds)} layers)")
+
+
 def trace_step(config: Dict[str, Any], *, seq: int, batch: int, dtype: torch.dtype, option: str,
                allocator: str = "cuda_caching", attention: str = "cuda", device: Any = "meta",
                model: Optional[torch.nn.Module] = None, accumulate: bool = False) -> TracedStep:
@@ -111,11 +128,5 @@ def trace_step(config: Dict[str, Any], *, seq: int, batch: int, dtype: torch.dty
     if len(decoder_layers(model)) > len(kinds):
         raise ValueError(f"the model has {len(decoder_layers(model))} decoder layers, the config {len(kinds)}")
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
-
-    def loss() -> torch.Tensor:
-        # (the training loop keeps the loss only: the logits die with the output)
-        return model(input_ids=ids, labels=ids, use_cache=False).loss
-
-    with _one_sequence_per_row_on_meta():
-        return trace_phases(model, loss, kinds=kinds, option=option, allocator=allocator, dtype=dtype,
-                            accumulate=accumulate)
+    return trace_phases(model, lambda: causal_lm_loss(model, ids), kinds=kinds, option=option, allocator=allocator,
+                        dtype=dtype, accumulate=accumulate)

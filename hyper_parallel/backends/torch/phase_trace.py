@@ -59,6 +59,7 @@ Example (a two-layer MLP stack as a model factory, its step traced on the meta d
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import warnings
@@ -83,7 +84,8 @@ class ModelFactory:
 
     - ``build(n)``: the model with its first ``n`` layers (all of one kind, or ``kinds[:n]``),
       called under ``torch.device(...)`` (the meta device: parameters made by PyTorch's default
-      factories cost nothing), then cast to the step's compute dtype;
+      factories cost nothing), its parameters then cast to the step's compute dtype (buffers
+      stay as built);
     - ``layers``: how many layers the real model has;
     - ``loss(model, ids)``: the training loss of a batch of token ids (``(batch, seq)``,
       ``int64``), e.g. ``lambda m, ids: m(ids, labels=ids).loss``;
@@ -111,6 +113,38 @@ class ModelFactory:
 
     def layer_kinds(self) -> List[str]:
         return list(self.kinds) if self.kinds is not None else ["layer"] * self.layers
+
+    @staticmethod
+    def from_model(model: torch.nn.Module, loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+                   kinds: Optional[Sequence[str]] = None, name: str = "") -> "ModelFactory":
+        """The factory of a model you have (on any device, trained or not), to plan it for a
+        target: ``build(n)`` is a copy of ``model`` on the meta device with its first ``n``
+        layers, its parameters and buffers shapes only (nothing is copied but the modules; the
+        model itself is left as it is). ``model``: unwrapped (its layers as :func:`decoder_layers`
+        finds them); ``loss``: as :class:`ModelFactory`'s.
+
+        >>> net = torch.nn.Sequential()
+        >>> net.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(5))
+        >>> factory = ModelFactory.from_model(net, lambda m, ids: ids.sum())
+        >>> small = factory.build(2)
+        >>> factory.layers, len(small.layers), small.layers[0].weight.device.type, net.layers[0].weight.device.type
+        (5, 2, 'meta', 'cpu')
+        """
+        layers = len(decoder_layers(model))
+
+        def build(n: int) -> torch.nn.Module:
+            # (deepcopy with every parameter and buffer already "copied" to an empty meta tensor)
+            memo: Dict[int, Any] = {}
+            for p in model.parameters():
+                memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for b in model.buffers():
+                memo[id(b)] = torch.empty_like(b, device="meta")
+            meta = copy.deepcopy(model, memo)
+            del decoder_layers(meta)[n:]
+            return meta
+
+        return ModelFactory(build, layers, loss, tuple(kinds) if kinds is not None else None,
+                            name or f"{type(model).__name__} ({layers} layers)")
 
 
 def traced_layer_count(kinds: Sequence[str]) -> int:
@@ -402,7 +436,14 @@ def trace_factory(factory: ModelFactory, *, seq: int, batch: int, dtype: torch.d
             model = factory.build(traced_layer_count(kinds))
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ModelFactory.build returned {type(model).__name__}, not an nn.Module")
-        model = model.to(device=device, dtype=dtype).train()
+        model = model.to(device=device).train()
+        with torch.no_grad():
+            # (the parameters in the compute dtype, the buffers as the model keeps them: rotary
+            # tables stay float32, as Hugging Face builds them in any dtype; ``.data`` keeps tied
+            # parameters tied)
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
     return trace_phases(model, lambda: factory.loss(model, ids), kinds=kinds, option=option, allocator=allocator,
                         dtype=dtype, attention=attention if device == "meta" else None, accumulate=accumulate)
