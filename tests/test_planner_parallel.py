@@ -307,6 +307,23 @@ def test_ddp_ranks_with_different_timing_noise_apply_one_plan_and_train_bitwise(
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.timing  # (no time asserted: it shares the one spawn of the scenarios with the timing tests)
+def test_a_ddp_step_that_does_not_fit_plans_and_trains_under_a_hard_cap_at_the_budget(ranks):
+    """Under ``MemoryMeter(cap=budget)`` on both ranks (an allocator stand-in), the plain DDP step
+    runs out of memory; planning (with what autograd saves moved to the host while profiling)
+    stays within the cap, and two training steps under the plan too, bitwise the unplanned
+    training, the same on both ranks."""
+    r0, r1 = _results(ranks, "capped_ddp")
+    assert r0["json"] == r1["json"] and r0["digest"] == r1["digest"]
+    for res in (r0, r1):
+        assert res["budget"] < res["unplanned_peak"] and res["refused"].startswith("MemoryMeter"), res
+        assert "ran out of device memory as it is" in res["notes"][0], res["notes"]
+        assert res["planning_peak"] <= res["budget"] and res["training_peak"] <= res["budget"], res
+        assert any(c != "none" for c in res["choices"]) and res["train_bitwise"], res
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timing
 def test_fsdp2_plans_fit_their_budget_as_measured_and_train_bitwise(ranks):
     r0, r1 = _results(ranks, "fsdp2")

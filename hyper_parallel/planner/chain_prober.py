@@ -505,6 +505,11 @@ class ChainProber(abc.ABC):
         # Call 2: the plain step's time and each layer's; an input of every layer kept for probes.
         step_s = self._timed_call(layers, step_fn, device, records, types, trace.state)
         notes = list(trace.notes)
+        with self._moving_saved() as mover:
+            if mover is not None:
+                notes.append("the step ran out of device memory as it is: it was profiled with what autograd saves "
+                             "moved to the host as it is saved (counted as if it stayed on the device; the copies' "
+                             "time taken out of the layers' and the step's)")
         if not all(log.flows[1:]):
             notes.append("a layer's input is not the previous layer's output: the probes chain the layers anyway")
         return StepProfile(

@@ -150,6 +150,54 @@ def scenario_agree_ddp(rank: int, world: int) -> Dict[str, Any]:
             "digest": _digest(planned), "mismatch": mismatch}
 
 
+def scenario_capped_ddp(rank: int, world: int) -> Dict[str, Any]:
+    """A DDP step that does not fit: planned and trained under a hard cap (``MemoryMeter(cap=)``,
+    an allocator stand-in) at a budget below the plain step's peak, on both ranks."""
+    from hyper_parallel.tools.memory import MemoryMeter
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ac = _api()
+    model = _gpt(rank, noisy=False)
+    ddp = DDP(model)
+    x, y = _gpt_batch(rank, 0)
+
+    def step() -> None:
+        ddp(x, y).backward()
+
+    step()
+    unplanned, _ = _unplanned_and_budget(model, step, x, y)
+    minimum = ac.plan_memory(model.layers, step, unplanned).min_budget_bytes
+    budget = int(min(_gather(minimum + (unplanned - minimum) // 4)))
+    ac.SwapManager().reset()
+    refused = None
+    try:
+        with MemoryMeter("cpu", track=[model, x, y], scan_gc=False, cap=budget):
+            step()
+    except torch.OutOfMemoryError as exc:
+        refused = str(exc)[:80]
+    model.zero_grad(set_to_none=True)
+    fresh = _gpt(rank, noisy=False)
+    fresh_ddp = DDP(fresh)
+    fx = lambda: fresh_ddp(x, y).backward()  # noqa: E731
+    fx()
+    fresh.zero_grad(set_to_none=True)
+    with MemoryMeter("cpu", track=[fresh, x, y], scan_gc=False, cap=budget) as meter:
+        plan = ac.plan_memory(fresh.layers, fx, budget)
+    planning_peak = meter.peak_bytes
+    text = plan.to_json()
+    ac.SwapManager().reset()
+    plain = _train(DDP(_gpt(rank, noisy=False)), rank)
+    ac.SwapManager().reset()
+    planned_model = _gpt(rank, noisy=False, plan_text=text)
+    planned_ddp = DDP(planned_model)
+    with MemoryMeter("cpu", track=[planned_model, x, y], scan_gc=False, cap=budget) as meter:
+        planned = _train(planned_ddp, rank)
+    ac.SwapManager().reset()
+    return {"json": text, "budget": budget, "unplanned_peak": unplanned, "refused": refused,
+            "planning_peak": planning_peak, "training_peak": meter.peak_bytes,
+            "choices": [c.option.name() for c in plan.choices], "notes": plan.notes,
+            "train_bitwise": all(torch.equal(a, b) for a, b in zip(plain, planned)), "digest": _digest(planned)}
+
+
 # ----------------------------------------------------------------------------------------------
 # FSDP2: fully_shard per layer and at the root
 # ----------------------------------------------------------------------------------------------
@@ -334,6 +382,7 @@ def scenario_pipeline(rank: int, world: int) -> Dict[str, Any]:
 
 SCENARIOS: Dict[str, Callable[[int, int], Dict[str, Any]]] = {
     "agree_ddp": scenario_agree_ddp,
+    "capped_ddp": scenario_capped_ddp,
     "fsdp2": scenario_fsdp2,
     "pipeline": scenario_pipeline,
 }
