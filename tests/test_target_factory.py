@@ -145,7 +145,7 @@ def test_a_model_factory_says_what_is_wrong_with_it():
         return model
     with pytest.raises(ValueError, match="frozen ones \\(pos_emb.weight\\)"):
         _plan(ModelFactory(frozen, 4, lambda m, ids: m(ids, ids)))
-    with pytest.raises(ValueError, match="hf-gc is Hugging Face's"):
+    with pytest.raises(ValueError, match="hf-gc is Hugging Face's gradient checkpointing; GPT has no"):
         _plan(model_factory(CFG), "hf-gc")
 
     def unrolled(n):  # (a loss that calls no layer: the phases cannot be cut)
@@ -205,7 +205,12 @@ def test_a_live_model_plans_for_a_target_as_its_factory_does_and_is_left_as_it_w
                 budget = (full["peak_reserved_bytes"] + none["peak_reserved_bytes"]) // 2
             assert _same_answer(plan_for_target(live, **kw, budget=budget), plan_for_target(planned, **kw,
                                                                                             budget=budget))
+        if recipe == "none":  # (a Hugging Face model you have takes Hugging Face's own checkpointing)
+            kw = {**kw, "recipe": "hf-gc"}
+            assert _same_answer(plan_for_target(cases[1][0], **kw, budget=None),
+                                plan_for_target(llama, **kw, budget=None))
     for name, p in live_gpt.named_parameters():
         assert p.device.type == "cpu" and torch.equal(p, before[name][0]) and torch.equal(p.grad, before[name][1])
     assert all(p.grad is None and p.device.type == "cpu" for p in live_llama.parameters())
+    assert live_llama.config._attn_implementation == "sdpa" and not live_llama.is_gradient_checkpointing
     assert len(live_gpt.layers) == CFG.layers and len(live_llama.model.layers) == llama["num_hidden_layers"]

@@ -75,8 +75,6 @@ def _check(run: Run, recipe: str, budget: Optional[int], config: Union[Dict[str,
     layers = _layer_count(config)
     if run.pp > layers:
         raise ValueError(f"pp {run.pp} is more pipeline stages than the model's {layers} layers")
-    if recipe == "hf-gc" and isinstance(config, ModelFactory):
-        raise ValueError("hf-gc is Hugging Face's gradient checkpointing; a model factory takes full or selective")
 
 
 def plan_for_target(config: Union[Dict[str, Any], ModelFactory], *, seq: int, batch: int, grad_accum: int,

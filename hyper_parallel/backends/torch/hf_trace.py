@@ -106,12 +106,20 @@ def causal_lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
+def _use_fused_attention(model: torch.nn.Module, kind: str) -> None:
+    # (the implementation is looked up by name at every call: the recompute of a checkpoint set
+    # inside the layer's forward, hf-gc, takes it as the forward does)
+    model.config._attn_implementation = fused_attention(kind)
+
+
 def model_factory(model: torch.nn.Module) -> ModelFactory:
     """A Hugging Face causal LM you have, as the target planner's model factory
-    (``ModelFactory.from_model`` with :func:`causal_lm_loss` and the kinds of its layers)."""
+    (``ModelFactory.from_model`` with :func:`causal_lm_loss`, the kinds of its layers, and SDPA
+    running the target's fused kernel as :func:`build_model` sets it)."""
     kinds = layer_kinds(model.config.to_dict())
     return ModelFactory.from_model(model, causal_lm_loss, kinds=kinds,
-                                   name=f"{type(model).__name__} ({len(kinds)} layers)")
+                                   name=f"{type(model).__name__} ({len(kinds)} layers)",
+                                   fused_attention=_use_fused_attention)
 
 
 def trace_step(config: Dict[str, Any], *, seq: int, batch: int, dtype: torch.dtype, option: str,

@@ -90,7 +90,12 @@ class ModelFactory:
     - ``loss(model, ids)``: the training loss of a batch of token ids (``(batch, seq)``,
       ``int64``), e.g. ``lambda m, ids: m(ids, labels=ids).loss``;
     - ``kinds``: the kind of each layer, where layers differ (default: all one kind);
-    - ``name``: how the report names the model.
+    - ``name``: how the report names the model;
+    - ``fused_attention(model, kind)``: makes the built model's attention run the target's fused
+      kernel (``kind``: :class:`~.meta_trace.FusedAttentionOnMeta`'s) in its forward and in any
+      recompute; default: each layer's ``forward`` runs under ``FusedAttentionOnMeta``, which a
+      checkpoint the model sets inside its own ``forward`` does not see in its recompute
+      (Hugging Face's: ``hf_trace.model_factory`` gives its own).
 
     The model's layers are its longest ``nn.ModuleList`` (:func:`decoder_layers`), called one
     after another on the hidden states; every parameter is trained (frozen ones: a
@@ -101,6 +106,7 @@ class ModelFactory:
     loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
     kinds: Optional[Tuple[str, ...]] = None
     name: str = "model factory"
+    fused_attention: Optional[Callable[[torch.nn.Module, str], None]] = None
 
     def __post_init__(self) -> None:
         if not callable(self.build) or not callable(self.loss):
@@ -116,12 +122,13 @@ class ModelFactory:
 
     @staticmethod
     def from_model(model: torch.nn.Module, loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
-                   kinds: Optional[Sequence[str]] = None, name: str = "") -> "ModelFactory":
+                   kinds: Optional[Sequence[str]] = None, name: str = "",
+                   fused_attention: Optional[Callable[[torch.nn.Module, str], None]] = None) -> "ModelFactory":
         """The factory of a model you have (on any device, trained or not), to plan it for a
         target: ``build(n)`` is a copy of ``model`` on the meta device with its first ``n``
         layers, its parameters and buffers shapes only (nothing is copied but the modules; the
         model itself is left as it is). ``model``: unwrapped (its layers as :func:`decoder_layers`
-        finds them); ``loss``: as :class:`ModelFactory`'s.
+        finds them); ``loss``, ``kinds``, ``fused_attention``: as :class:`ModelFactory`'s.
 
         >>> net = torch.nn.Sequential()
         >>> net.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(5))
@@ -144,7 +151,7 @@ class ModelFactory:
             return meta
 
         return ModelFactory(build, layers, loss, tuple(kinds) if kinds is not None else None,
-                            name or f"{type(model).__name__} ({layers} layers)")
+                            name or f"{type(model).__name__} ({layers} layers)", fused_attention)
 
 
 def traced_layer_count(kinds: Sequence[str]) -> int:
@@ -445,8 +452,13 @@ def trace_factory(factory: ModelFactory, *, seq: int, batch: int, dtype: torch.d
                 if p.is_floating_point():
                     p.data = p.data.to(dtype)
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    if device != "meta":
+        attention = None  # (real tensors: SDPA as it is)
+    elif attention and factory.fused_attention is not None:
+        factory.fused_attention(model, attention)
+        attention = None
     return trace_phases(model, lambda: factory.loss(model, ids), kinds=kinds, option=option, allocator=allocator,
-                        dtype=dtype, attention=attention if device == "meta" else None, accumulate=accumulate)
+                        dtype=dtype, attention=attention, accumulate=accumulate)
 
 
 def trace_optimizer(numels: Sequence[int], dtype: torch.dtype, optimizer: str,
