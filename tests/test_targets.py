@@ -40,7 +40,7 @@ def test_every_builtin_target_is_complete_and_names_its_sources():
         assert {"bfloat16", "float16", "float32"} <= set(t.peak_flops), key
         assert t.peak_flops["float32"] < t.peak_flops["bfloat16"] <= t.peak_flops.get("float8", math.inf), key
         assert not t.calibrated and t.sources and all(isinstance(s, str) and s for s in t.sources), key
-        assert set(t.efficiency) == {"matmul", "attention", "memory", "copy"}, key
+        assert set(t.efficiency) == {"matmul", "attention", "memory", "random", "copy"}, key
     # the dense figures (datasheets quote sparse ones, twice as large)
     h100 = target("h100-sxm")
     assert h100.peak_flops["bfloat16"] == 989.4e12 and h100.hbm_bytes_per_s == 3.35e12
@@ -70,7 +70,7 @@ def test_a_user_target_takes_defaults_and_bad_ones_are_clear_errors(tmp_path):
     mine = Target.from_json({"name": "card", "memory_bytes": 24 * GiB, "peak_flops": {"bfloat16": 100e12},
                              "hbm_bytes_per_s": 1e12, "host_link_bytes_per_s": 25e9,
                              "efficiency": {"matmul": 0.5}})
-    assert mine.efficiency == {"matmul": 0.5, "attention": 0.5, "memory": 0.8, "copy": 0.8}
+    assert mine.efficiency == {"matmul": 0.5, "attention": 0.5, "memory": 0.8, "random": 0.8, "copy": 0.8}
     assert mine.allocator == "cuda_caching" and mine.sources == () and not mine.calibrated
     assert Target.from_json({**mine.to_json(), "memory_bytes": 24.0 * GiB}) == mine   # (a JSON writer's float)
     base = mine.to_json()
@@ -136,6 +136,24 @@ def test_roofline_on_hand_computed_examples():
     # a calibrated target (efficiencies 1.0) is priced at its rates
     flat = h100.replace(efficiency={"matmul": 1.0, "memory": 1.0})
     assert op_seconds(flat, "matmul", 989.4e12, 0, "bfloat16") == pytest.approx(1.0)
+    # random numbers: their bytes at the random efficiency (a CPU draws slower than it copies)
+    slow_draws = h100.replace(efficiency={"random": 0.1})
+    assert op_seconds(slow_draws, "random", 0, 2 * GiB, "float32") == pytest.approx(2 * GiB / (3.35e12 * 0.1))
+    assert op_seconds(slow_draws, "memory", 0, 2 * GiB, "float32") == pytest.approx(2 * GiB / (3.35e12 * 0.8))
+    assert bound(slow_draws, "random", 0, 2 * GiB, "float32") == "hbm"
+
+
+def test_dropouts_random_draws_are_their_own_op_class():
+    """Dropout's ``bernoulli_`` (and the other random ops) are priced as ``random``, by the bytes
+    they move, and not listed among the ops counted by bytes only; dropout's arithmetic is."""
+    x = torch.ones(64, 32, requires_grad=True)
+    with OpCostMode() as mode:
+        F.dropout(x, 0.1, training=True).sum().backward()
+    log = mode.log
+    assert log.bytes_moved["random"] == 64 * 32 * 4 and log.flops["random"] == 0   # (written, not read)
+    assert not any(name in log.bytes_only for name in torch_op_cost.RANDOM_OPS)
+    mask = torch.empty(10, device="meta")
+    assert op_cost(torch.ops.aten.bernoulli_.float, (mask, 0.5), {}, mask) == ("random", 0, 40, "float32")
 
 
 def test_roofline_dtype_fallback_rule():
@@ -325,19 +343,25 @@ class _FakeBench(MicroBench):
     def host_copy_seconds(self, nbytes, iterations):
         return 1.0 * iterations
 
+    def random_seconds(self, nbytes, iterations):
+        return 2.0 * iterations   # (8 times slower than the copy)
+
 
 def test_calibration_turns_timings_into_rates():
     sizes = Sizes(matmul_n=100, copy_bytes=1000, iterations=4, repeats=2)
     t = calibrate.calibrate(_FakeBench(), sizes)
     assert t.peak_flops == {"float32": 2 * 100 ** 3 / 2.0, "bfloat16": 2 * 100 ** 3 / 0.5}   # float8: no kernel
     assert t.hbm_bytes_per_s == 2 * 1000 / 0.25 and t.host_link_bytes_per_s == 1000 / 1.0
-    assert t.calibrated and set(t.efficiency.values()) == {1.0} and t.allocator == "cuda_caching"
+    assert t.efficiency["random"] == (1000 / 2.0) / (2 * 1000 / 0.25)   # (draws written at 1/16 of the copies' rate)
+    assert t.calibrated and {k: v for k, v in t.efficiency.items() if k != "random"} == dict.fromkeys(
+        ("matmul", "attention", "memory", "copy"), 1.0) and t.allocator == "cuda_caching"
     assert t.name == "this machine (fake0)" and t.memory_bytes == 16 * GiB and t.sources
 
 
 def test_this_machine_calibrates_quickly_to_positive_rates():
     t = torch_calibrate.calibrate_this_machine("cpu")
-    assert t.calibrated and t.allocator == "exact" and set(t.efficiency.values()) == {1.0}
+    assert t.calibrated and t.allocator == "exact" and 0 < t.efficiency["random"] <= 1.0
+    assert {v for k, v in t.efficiency.items() if k != "random"} == {1.0}
     assert t.name == "this machine (cpu)" and t.memory_bytes == calibrate.host_memory_bytes() > 0
     assert t.peak_flops["float32"] > 0 and t.hbm_bytes_per_s > 0 and t.host_link_bytes_per_s > 0
     assert set(t.peak_flops) <= {"float32", "bfloat16"}

@@ -14,7 +14,10 @@ only ever adds time). From it:
   writes ``nbytes``: the roofline's bytes moved count both);
 - ``host_link_bytes_per_s`` = ``nbytes * iterations / seconds`` of a host-to-device copy (pinned
   host memory where the framework has it); on a CPU, where a swap is a memory copy, the same copy;
-- every efficiency 1.0: the measured rates already include them (attention is priced at the
+- ``efficiency["random"]``: the rate of filling ``nbytes`` with random draws in place (dropout's
+  ``bernoulli_``: it writes them, ``nbytes`` moved as the op cost counts it) over the copy's, at
+  most 1 (a CPU generates random numbers several times slower than it copies);
+- every other efficiency 1.0: the measured rates already include them (attention is priced at the
   measured matmul rate);
 - ``memory_bytes``: the device's memory (a CPU: the machine's RAM, ``os.sysconf``);
 - ``allocator``: ``exact`` on a CPU (the planner's CPU meter counts storages as they are),
@@ -88,6 +91,11 @@ class MicroBench(abc.ABC):
     def host_copy_seconds(self, nbytes: int, iterations: int) -> float:
         """``iterations`` copies of ``nbytes`` from host memory to the device (on a CPU: a memory copy)."""
 
+    @abc.abstractmethod
+    def random_seconds(self, nbytes: int, iterations: int) -> float:
+        """``iterations`` in-place fills of ``nbytes`` of device memory (float32) with Bernoulli
+        draws, as dropout makes its masks."""
+
 
 def best_seconds(measure: Callable[[], Optional[float]], repeats: int) -> Optional[float]:
     """Warm up once, then the fastest of ``repeats`` measurements (``None`` if the first is)."""
@@ -125,22 +133,27 @@ def calibrate(bench: MicroBench, sizes: Optional[Sizes] = None) -> Target:
         raise RuntimeError(f"no matmul ran on {bench.device_name()} in any of {list(bench.matmul_dtypes())}")
     copy = best_seconds(lambda: bench.copy_seconds(sizes.copy_bytes, it), sizes.repeats)
     host = best_seconds(lambda: bench.host_copy_seconds(sizes.copy_bytes, it), sizes.repeats)
-    assert copy is not None and host is not None
+    draws = best_seconds(lambda: bench.random_seconds(sizes.copy_bytes, it), sizes.repeats)
+    assert copy is not None and host is not None and draws is not None
+    hbm = 2.0 * sizes.copy_bytes * it / max(copy, _TINY)
+    random_rate = 1.0 * sizes.copy_bytes * it / max(draws, _TINY)
     allocator = {"cpu": "exact", "npu": "npu_caching"}.get(kind, "cuda_caching")
     name = bench.device_name()
     return Target(
         name=f"this machine ({name})",
         memory_bytes=bench.memory_bytes(),
         peak_flops=peaks,
-        hbm_bytes_per_s=2.0 * sizes.copy_bytes * it / max(copy, _TINY),
+        hbm_bytes_per_s=hbm,
         host_link_bytes_per_s=1.0 * sizes.copy_bytes * it / max(host, _TINY),
-        efficiency={cls: 1.0 for cls in ("matmul", "attention", "memory", "copy")},
+        efficiency={"matmul": 1.0, "attention": 1.0, "memory": 1.0, "copy": 1.0,
+                    "random": min(1.0, random_rate / hbm)},
         allocator=allocator,
         sources=(
             f"measured on {name} by hyper_parallel.planner.calibrate: {n}x{n} matmuls in "
             f"{', '.join(peaks)}; {sizes.copy_bytes >> 20} MiB device copies and host-to-device copies; "
             f"{it} calls per timing, the fastest of {sizes.repeats} timings",
-            "efficiencies 1.0: the measured rates include them (attention is priced at the matmul rate)",
+            "random: in-place Bernoulli fills of the same size, their rate over the copies'",
+            "other efficiencies 1.0: the measured rates include them (attention is priced at the matmul rate)",
         ),
         calibrated=True,
     )

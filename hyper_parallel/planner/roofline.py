@@ -7,8 +7,10 @@ its compute and its memory traffic::
     seconds = max(flops / (peak_flops[dtype] * efficiency[op_class]),
                   bytes_moved / (hbm_bytes_per_s * efficiency["memory"]))
 
-``op_class`` is ``"matmul"``, ``"attention"`` or ``"memory"`` (what ``backends/torch/op_cost.py``
-returns); the efficiencies are the target's (published-benchmark defaults, or 1.0 on a calibrated
+``op_class`` is ``"matmul"``, ``"attention"``, ``"memory"`` or ``"random"`` (what
+``backends/torch/op_cost.py`` returns; a random op's bytes are priced at ``efficiency["random"]``
+instead of ``efficiency["memory"]``: generating random numbers is slower than streaming memory on
+a CPU); the efficiencies are the target's (published-benchmark defaults, or 1.0 on a calibrated
 target whose rates were measured). Host <-> device copies (swaps) go over the host link instead:
 :func:`copy_seconds`. Pure functions, no framework.
 
@@ -30,7 +32,7 @@ from .targets import DTYPES, Target
 __all__ = ["op_seconds", "bound", "copy_seconds", "resolve_dtype", "normalize_dtype", "FALLBACK", "COMPUTE_CLASSES"]
 
 #: The op classes :func:`op_seconds` prices (host copies: :func:`copy_seconds`).
-COMPUTE_CLASSES = ("matmul", "attention", "memory")
+COMPUTE_CLASSES = ("matmul", "attention", "memory", "random")
 
 #: For each dtype, the peaks tried in order when the target lacks its own (module docstring).
 FALLBACK: Dict[str, Tuple[str, ...]] = {
@@ -98,7 +100,8 @@ def _times(target: Target, op_class: str, flops: float, bytes_moved: float, dtyp
     if flops:
         peak = target.peak_flops[resolve_dtype(target, dtype)]
         compute = flops / (peak * target.efficiency[op_class])
-    memory = bytes_moved / (target.hbm_bytes_per_s * target.efficiency["memory"])
+    rate = target.efficiency["random" if op_class == "random" else "memory"]
+    memory = bytes_moved / (target.hbm_bytes_per_s * rate)
     return compute, memory
 
 

@@ -35,8 +35,10 @@ __all__ = ["Target", "TARGETS", "ALIASES", "target", "load_target_file", "DTYPES
 #: The dtype names a target's ``peak_flops`` may give (``tf32``: float32 matmuls on tensor cores).
 DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
 #: The op classes a target's ``efficiency`` covers: ``matmul`` (matmul-like ops and convolutions),
-#: ``attention`` (fused attention kernels), ``memory`` (bandwidth-bound ops), ``copy`` (host link).
-OP_CLASSES = ("matmul", "attention", "memory", "copy")
+#: ``attention`` (fused attention kernels), ``memory`` (bandwidth-bound ops), ``random`` (random
+#: number generation, dropout's masks: priced by its bytes, at its own share of the bandwidth),
+#: ``copy`` (host link).
+OP_CLASSES = ("matmul", "attention", "memory", "random", "copy")
 #: ``cuda_caching``: PyTorch's CUDA caching allocator (also ROCm's, the same code); ``npu_caching``:
 #: torch_npu's; ``exact``: storages counted as they are (a CPU meter), see ``planner/allocator.py``.
 ALLOCATORS = ("cuda_caching", "npu_caching", "exact")
@@ -47,6 +49,7 @@ DEFAULT_EFFICIENCY: Mapping[str, float] = types.MappingProxyType({
     "matmul": 0.7,     # default: large bf16 GEMMs reach 60-80% of the dense tensor-core peak
     "attention": 0.5,  # default: fused (flash) attention forward + backward reach 40-60% of the peak
     "memory": 0.8,     # default: streaming elementwise kernels reach 75-90% of the HBM bandwidth
+    "random": 0.8,     # default: a GPU's counter-based generators (Philox) write at about the memory rate
     "copy": 0.8,       # default: pinned host <-> device copies reach ~80% of the PCIe link's rate
 })
 

@@ -137,6 +137,11 @@ class TorchMicroBench(MicroBench):
         src, dst = self._buffers(nbytes, host=True)
         return self._timed(lambda: dst.copy_(src, non_blocking=True), iterations)
 
+    def random_seconds(self, nbytes: int, iterations: int) -> float:
+        _, dst = self._buffers(nbytes, host=False)
+        mask = dst[: nbytes - nbytes % 4].view(torch.float32)  # (dropout's masks: float draws)
+        return self._timed(lambda: mask.bernoulli_(0.9), iterations)
+
 
 def calibrate_this_machine(device: Any = None, sizes: Optional[Sizes] = None) -> Target:
     """"This machine" (or ``device``) as a calibrated :class:`Target` (``planner/calibrate.py``)."""

@@ -15,13 +15,14 @@ FLOPs, the bytes it moves, and the dtype its arithmetic runs in (the planner's P
   metadata-only ops (``view``, ``expand``, ``transpose``, ``detach``, ``_unsafe_view``, ...) and
   allocations that write nothing (``empty``) move 0.
 - **Op class**: ``"attention"`` for the attention kernels, ``"matmul"`` for the other ops with a
-  formula (matmuls, convolutions), ``"memory"`` for the rest (priced by their bytes).
+  formula (matmuls, convolutions), ``"random"`` for random number generation (:data:`RANDOM_OPS`:
+  dropout's ``bernoulli_``, ...), ``"memory"`` for the rest (the last two priced by their bytes).
 - **dtype**: the dtype of the first floating-point input (``"bfloat16"``, ...); float32 matmuls
   count as ``"tf32"`` when ``torch.get_float32_matmul_precision()`` is not ``"highest"``, and
   float32 convolutions when ``torch.backends.cudnn.allow_tf32`` is on (their defaults on CUDA).
 
-Ops that have no FLOP formula and are not pure data movement (elementwise arithmetic, norms,
-softmax, random numbers, ...) are priced by their bytes only; :class:`OpCostLog` counts them so
+Ops that have no FLOP formula and are not pure data movement or random numbers (elementwise
+arithmetic, norms, softmax, ...) are priced by their bytes only; :class:`OpCostLog` counts them so
 that a report can say so (:meth:`OpCostLog.bytes_only_note`). Everything works on meta tensors.
 
 Example (a bf16 matmul on the meta device)::
@@ -43,14 +44,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["OpCost", "op_cost", "OpCostLog", "OpCostMode", "METADATA_OPS", "DATA_MOVEMENT_OPS", "op_name",
-           "dtype_name"]
+__all__ = ["OpCost", "op_cost", "OpCostLog", "OpCostMode", "METADATA_OPS", "DATA_MOVEMENT_OPS", "RANDOM_OPS",
+           "op_name", "dtype_name"]
 
 
 class OpCost(NamedTuple):
     """One op call's cost for the roofline (module docstring)."""
 
-    op_class: str      # "matmul" | "attention" | "memory"
+    op_class: str      # "matmul" | "attention" | "memory" | "random"
     flops: int
     bytes_moved: int
     dtype: str         # "bfloat16", "float16", "float32", "tf32", "float8", "float64" or "integer"
@@ -75,6 +76,15 @@ DATA_MOVEMENT_OPS = frozenset({
     "aten.arange", "aten._local_scalar_dense", "aten.expand_copy", "aten.permute_copy", "aten.t_copy",
     "aten.transpose_copy", "aten.view_copy", "aten.split_with_sizes_copy", "aten.unbind_copy",
     "aten.split_with_sizes", "aten.split", "aten.unbind", "aten.slice_backward", "aten.select_backward",
+})
+
+#: Ops that generate random numbers: priced by their bytes at the target's ``random`` rate
+#: (``planner/roofline.py``), not listed among the ops counted "by bytes only".
+RANDOM_OPS = frozenset({
+    "aten.bernoulli", "aten.bernoulli_", "aten.native_dropout", "aten.uniform_", "aten.normal", "aten.normal_",
+    "aten.random_", "aten.exponential_", "aten.geometric_", "aten.cauchy_", "aten.log_normal_", "aten.rand",
+    "aten.rand_like", "aten.randn", "aten.randn_like", "aten.randint", "aten.randint_like", "aten.randperm",
+    "aten.multinomial",
 })
 
 _aten = torch.ops.aten
@@ -224,6 +234,8 @@ def op_cost(func: Any, args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]] =
     written = outputs if outputs else _tensors(_mutated(func, args, kwargs))
     moved = sum(_nbytes(t) for t in seen.values()) + sum(t.numel() * t.element_size() for t in written)
     formula = _FORMULAS.get(packet)
+    if name in RANDOM_OPS:
+        return OpCost("random", 0, moved, dtype)
     if formula is None:
         if bytes_only is not None and name not in DATA_MOVEMENT_OPS:
             bytes_only[name] = bytes_only.get(name, 0) + 1
