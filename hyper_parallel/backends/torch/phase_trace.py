@@ -32,8 +32,9 @@ Activation options are traced by the machinery that runs them in training, not m
 - ``selective``: torchtitan's per-op selective policy (``_apply_op_sac``) through PyTorch's
   ``create_selective_checkpoint_contexts``: save the outputs of the attention kernels and of
   every other ``mm``, recompute the rest;
-- ``hf-gc``: ``model.gradient_checkpointing_enable()`` (Hugging Face gradient checkpointing with
-  its defaults; a model without that switch cannot take it).
+- ``hf-gc``: ``model.activation_checkpointing_enable()`` (``gradient_checkpointing_enable()``
+  before transformers 5: Hugging Face gradient checkpointing with its defaults; a model without
+  that switch cannot take it).
 
 Example (a two-layer MLP stack as a model factory, its step traced on the meta device)::
 
@@ -120,8 +121,8 @@ class ModelFactory:
     def layer_kinds(self) -> List[str]:
         return list(self.kinds) if self.kinds is not None else ["layer"] * self.layers
 
-    @staticmethod
-    def from_model(model: torch.nn.Module, loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
                    kinds: Optional[Sequence[str]] = None, name: str = "",
                    fused_attention: Optional[Callable[[torch.nn.Module, str], None]] = None) -> "ModelFactory":
         """The factory of a model you have (on any device, trained or not), to plan it for a
@@ -150,8 +151,8 @@ class ModelFactory:
             del decoder_layers(meta)[n:]
             return meta
 
-        return ModelFactory(build, layers, loss, tuple(kinds) if kinds is not None else None,
-                            name or f"{type(model).__name__} ({layers} layers)", fused_attention)
+        return cls(build, layers, loss, tuple(kinds) if kinds is not None else None,
+                   name or f"{type(model).__name__} ({layers} layers)", fused_attention)
 
 
 def traced_layer_count(kinds: Sequence[str]) -> int:
@@ -235,7 +236,9 @@ def apply_option(model: torch.nn.Module, option: str, layers: Optional[Sequence[
             # (an instance attribute: the class's forward, and every other instance, stay as they are)
             layer.forward = _checkpointed(layer.forward, **kwargs)
     elif option == "hf-gc":
-        enable = getattr(model, "gradient_checkpointing_enable", None)
+        # (transformers 5 names it activation_checkpointing_enable, earlier releases gradient_...)
+        enable = getattr(model, "activation_checkpointing_enable", None) or \
+            getattr(model, "gradient_checkpointing_enable", None)
         if enable is None:
             raise ValueError(f"hf-gc is Hugging Face's gradient checkpointing; {type(model).__name__} has no "
                              "gradient_checkpointing_enable(): use full or selective")
@@ -314,7 +317,7 @@ def trace_phases(model: torch.nn.Module, loss: Callable[[], torch.Tensor], *, ki
                  accumulate: bool = False) -> TracedStep:
     """Trace one step of ``model`` (built with its first few layers; module docstring) under
     activation ``option``: ``loss()`` runs its forward and returns the loss, whose backward the
-    trace runs. ``kinds``: the kind of each of the real model's layers; ``attention``: the fused
+    trace runs. The model is built for the trace: its layers keep the option afterwards. ``kinds``: the kind of each of the real model's layers; ``attention``: the fused
     attention kernel SDPA on meta tensors runs in the layers (:class:`~.meta_trace.FusedAttentionOnMeta`), or
     ``None`` (SDPA as it is). ``accumulate``: the gradients exist before the step (a micro-batch
     after the first under gradient accumulation): autograd adds each new gradient into them and
