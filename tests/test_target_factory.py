@@ -215,3 +215,17 @@ def test_a_live_model_plans_for_a_target_as_its_factory_does_and_is_left_as_it_w
     assert live_llama.config._attn_implementation == "sdpa"
     assert not any(getattr(layer, "gradient_checkpointing", False) for layer in live_llama.model.layers)
     assert len(live_gpt.layers) == CFG.layers and len(live_llama.model.layers) == llama["num_hidden_layers"]
+
+
+def test_planning_a_model_you_have_keeps_no_reference_to_it():
+    """A plan for a target keeps nothing of the live model: once the caller drops it, it is
+    freed (a cache of traces keyed by the factory would keep it, and its device memory, alive)."""
+    import gc
+    import weakref
+
+    model = GPT(CFG, seed=1)
+    alive = weakref.ref(model)
+    _plan(ModelFactory.from_model(model, lambda m, ids: m(ids, ids)), "full")
+    del model
+    gc.collect()
+    assert alive() is None

@@ -2,12 +2,13 @@
 
 Describe the run the way you think of it: a Hugging Face model (a built-in configuration, or the
 path of a ``config.json``) or a model factory (``package.module:name``, a ``ModelFactory`` or a
-function of no arguments returning one: ``backends/torch/phase_trace.py``), the sequence length and batch, precision, optimizer, data parallelism,
-FSDP2 sharding, pipeline stages, and the activation recipe; and the accelerator (a built-in
-target, ``this`` machine calibrated by a micro-benchmark, or a JSON file). It prints whether the
-step fits, its peak allocated and reserved bytes against the target's memory, the smallest peak
-any plan reaches and what it is made of, the plan per layer, the step time and what binds it,
-every number marked measured or modelled (``--json``: the same as JSON).
+function of no arguments returning one: ``backends/torch/phase_trace.py``), the sequence length
+and batch, precision, optimizer, data parallelism, FSDP2 sharding, pipeline stages, and the
+activation recipe; and the accelerator (a built-in target, ``this`` machine calibrated by a
+micro-benchmark, or a JSON file). It prints whether the step fits, its peak allocated and
+reserved bytes against the target's memory, the smallest peak any plan reaches and what it is
+made of, the plan per layer, the step time and what binds it, every number marked measured or
+modelled (``--json``: the same as JSON).
 
 Examples::
 

@@ -2,7 +2,8 @@
 ``plan/target_planner.py``; this module keeps the contract and the name the command line imports).
 
 ``plan_for_target`` plans one training step of a Hugging Face model (or of a model factory's,
-``backends/torch/phase_trace.ModelFactory``) for a described accelerator and returns a dict with the keys of :data:`RESULT_KEYS`:
+``backends/torch/phase_trace.ModelFactory``) for a described accelerator and returns a dict with
+the keys of :data:`RESULT_KEYS`:
 
 - ``fits`` (bool): the step's peak, as the target's allocator reserves it, is within the target's
   memory (and within ``budget`` for the ``plan`` recipe);
@@ -34,8 +35,8 @@ def plan_for_target(config: Any, *, seq: int, batch: int, grad_accum: int, preci
                     optimizer: str, dp: int, fsdp: int, reshard_after_forward: bool, pp: int, recipe: str,
                     budget: Optional[int], target: Target) -> Dict[str, Any]:
     """Plan one training step of the model ``config`` (a Hugging Face ``config.json`` as a dict,
-    or a ``ModelFactory``) for ``target`` (see the module docstring for what it returns; the answer may carry more keys,
-    e.g. ``peak_parts``: what the peak itself is made of)."""
+    or a ``ModelFactory``) for ``target`` (see the module docstring for what it returns; the
+    answer may carry more keys, e.g. ``peak_parts``: what the peak itself is made of)."""
     from hyper_parallel.plan.target_planner import plan_for_target as plan  # (torch and transformers load here)
 
     return plan(config, seq=seq, batch=batch, grad_accum=grad_accum, precision=precision, optimizer=optimizer,

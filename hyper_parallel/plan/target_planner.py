@@ -38,16 +38,13 @@ _OPTIMIZERS = ("adamw", "adamw-fused", "sgd")
 
 
 @functools.lru_cache(maxsize=32)
-def _trace(model: Union[str, ModelFactory], seq: int, batch: int, dtype: torch.dtype, option: str, allocator: str,
-           attention: str, accumulate: bool) -> Any:
-    """The step traced, remembered: a traced step depends only on these arguments (the recipes of
+def _trace(config_json: str, seq: int, batch: int, dtype: torch.dtype, option: str, allocator: str, attention: str,
+           accumulate: bool) -> Any:
+    """``trace_step``, remembered: a traced step depends only on these arguments (the recipes of
     one run, or plans of one model for several targets of one allocator, share their traces).
-    ``model``: a Hugging Face config as JSON, or a model factory (remembered by identity). The
-    traces are read, never changed, by the step model."""
-    if isinstance(model, ModelFactory):
-        return trace_factory(model, seq=seq, batch=batch, dtype=dtype, option=option, allocator=allocator,
-                             attention=attention, accumulate=accumulate)
-    return trace_step(json.loads(model), seq=seq, batch=batch, dtype=dtype, option=option,
+    The traces are read, never changed, by the step model. (A model factory's are not remembered:
+    the cache would keep the factory, and a live model it copies, alive.)"""
+    return trace_step(json.loads(config_json), seq=seq, batch=batch, dtype=dtype, option=option,
                       allocator=allocator, attention=attention, accumulate=accumulate)
 
 
@@ -88,9 +85,14 @@ def plan_for_target(config: Union[Dict[str, Any], ModelFactory], *, seq: int, ba
     _check(run, recipe, budget, config)
     dtype = _DTYPES[precision]
     attention = "cpu" if target.allocator == "exact" else "cuda"
-    key = config if isinstance(config, ModelFactory) else json.dumps(config, sort_keys=True, default=str)
-    traces = {option: _trace(key, seq, batch, dtype, option, target.allocator, attention, grad_accum > 1)
-              for option in RECIPE_TRACES[recipe]}
+    if isinstance(config, ModelFactory):
+        traces = {option: trace_factory(config, seq=seq, batch=batch, dtype=dtype, option=option,
+                                        allocator=target.allocator, attention=attention, accumulate=grad_accum > 1)
+                  for option in RECIPE_TRACES[recipe]}
+    else:
+        key = json.dumps(config, sort_keys=True, default=str)
+        traces = {option: _trace(key, seq, batch, dtype, option, target.allocator, attention, grad_accum > 1)
+                  for option in RECIPE_TRACES[recipe]}
     none = traces["none"]
     master = torch.float32 if run.master_bytes == 4 else torch.bfloat16
     shard = [-(-n // fsdp) for n in none.layer_params[0]]
