@@ -51,7 +51,7 @@ def test_the_meta_trace_of_the_bench_gpt_counts_the_bytes_a_cpu_run_counts(optio
     # norm's two), the embedding's are the token and position tables, the mask is a buffer
     assert meta.embed_params == [CFG.vocab * CFG.dim, CFG.seq * CFG.dim]
     assert meta.head_params == [CFG.dim, CFG.dim]
-    assert meta.other_buffers == CFG.seq * CFG.seq and meta.hidden == CFG.dim
+    assert meta.other_buffers == [CFG.seq * CFG.seq] and meta.hidden == CFG.dim
     assert meta.phases["layer1.fwd"].net > 0
 
 

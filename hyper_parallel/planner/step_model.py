@@ -320,8 +320,8 @@ class StepModel:
         if run.optimizer == "adamw-fused" or (run.optimizer == "adamw" and self.alloc == "exact"):
             out["optimizer state"] += [allocated_size(4, self.alloc)] * len(numels)  # (the step counters)
         out["ddp buckets"] = self._sized(numels, run.master_bytes) if (run.dp > 1 and run.fsdp == 1) else []
-        out["buffers"] = [b for b in [tr.layer_buffers[tr.traced_index(i)] for i in layers]
-                          + ([tr.other_buffers] if embed else []) if b]
+        held = [n for i in layers for n in tr.layer_buffers[tr.traced_index(i)]] + (tr.other_buffers if embed else [])
+        out["buffers"] = [allocated_size(n, self.alloc) for n in held if n]
         return out, groups
 
     def _walk_stage(self, plan: Sequence[str], name: str, layers: range, embed: bool, head: bool, flight: int,

@@ -64,12 +64,11 @@ import copy
 import dataclasses
 import functools
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from hyper_parallel.planner.allocator import allocated_size
 from .meta_trace import FusedAttentionOnMeta, LiveBytesMode, Phase
 
 __all__ = ["OPTIONS", "ModelFactory", "TracedStep", "trace_phases", "trace_factory", "trace_optimizer",
@@ -264,8 +263,9 @@ class TracedStep:
     ``layer_params[i]``: the element counts of traced layer ``i``'s parameters; ``embed_params``
     and ``head_params`` likewise (module docstring: which is which); ``kinds``: the kind of each
     of the real model's layers; ``traced``: how many layers were traced; ``dtype``: the compute
-    dtype; ``layer_buffers[i]`` / ``other_buffers``: the bytes of traced layer ``i``'s buffers and
-    of the rest of the model's, allocator-rounded."""
+    dtype; ``layer_buffers[i]`` / ``other_buffers``: the bytes of each of traced layer ``i``'s
+    buffers and of the rest of the model's (as held; the step model rounds them as the target's
+    allocator does)."""
 
     option: str
     phases: Dict[str, Phase]
@@ -281,8 +281,8 @@ class TracedStep:
     hidden: int = 0
     #: the gradients existed before the step (``accumulate=True``): the phases hold none
     accumulate: bool = False
-    layer_buffers: List[int] = dataclasses.field(default_factory=list)
-    other_buffers: int = 0
+    layer_buffers: List[List[int]] = dataclasses.field(default_factory=list)
+    other_buffers: List[int] = dataclasses.field(default_factory=list)
 
     def layer(self, i: int) -> Tuple[Phase, Phase]:
         """The forward and backward phases standing for the real model's layer ``i``: the traced
@@ -391,29 +391,28 @@ def trace_phases(model: torch.nn.Module, loss: Callable[[], torch.Tensor], *, ki
     if not any(c.op_class == "attention" for p in mode.phases.values() for c in p.costs):
         notes.append("no scaled_dot_product_attention call was seen: the model's attention was traced as written "
                      "(an eager attention materialises its score matrix; the target's fused kernel may not)")
-    embed, head, other_buffers = _outside_layers(model, layers, first_use, allocator, notes)
+    embed, head, other_buffers = _outside_layers(model, layers, first_use, notes)
     return TracedStep(option=option, phases=dict(mode.phases), kinds=list(kinds), traced=len(layers),
                       layer_params=[[p.numel() for p in layer.parameters()] for layer in layers],
                       embed_params=embed, head_params=head, dtype=dtype, notes=notes,
                       bytes_only=dict(mode.log.bytes_only), hidden=hidden[0], accumulate=accumulate,
-                      layer_buffers=[_buffer_bytes(layer.buffers(), allocator) for layer in layers],
+                      layer_buffers=[[_nbytes(b) for b in layer.buffers()] for layer in layers],
                       other_buffers=other_buffers)
 
 
-def _buffer_bytes(buffers: Iterator[torch.Tensor], allocator: str) -> int:
-    return sum(allocated_size(b.numel() * b.element_size(), allocator) for b in buffers)
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
-def _outside_layers(model: torch.nn.Module, layers: torch.nn.ModuleList, first_use: Dict[int, str], allocator: str,
-                    notes: List[str]) -> Tuple[List[int], List[int], int]:
+def _outside_layers(model: torch.nn.Module, layers: torch.nn.ModuleList, first_use: Dict[int, str],
+                    notes: List[str]) -> Tuple[List[int], List[int], List[int]]:
     """The element counts of the embedding's and the head's parameters (module docstring: the phase
     of the module call that first uses each), and the bytes of the buffers outside the layers."""
-    in_layer = {id(p) for p in layers.parameters()} | {id(b) for b in layers.buffers()}
-    seen = set(in_layer)
+    seen = {id(p) for p in layers.parameters()} | {id(b) for b in layers.buffers()}  # (the layers' own)
     embed: List[int] = []
     head: List[int] = []
     unused: List[str] = []
-    buffers = 0
+    buffers: List[int] = []
     for module_name, module in model.named_modules():
         phase = first_use.get(id(module), "")
         for name, p in module.named_parameters(recurse=False):
@@ -426,7 +425,7 @@ def _outside_layers(model: torch.nn.Module, layers: torch.nn.ModuleList, first_u
         for b in module.buffers(recurse=False):
             if id(b) not in seen:
                 seen.add(id(b))
-                buffers += allocated_size(b.numel() * b.element_size(), allocator)
+                buffers.append(_nbytes(b))
     if unused:
         notes.append(f"parameters no module call used in the forward, counted with the embedding: "
                      f"{', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}")
