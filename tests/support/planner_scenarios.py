@@ -101,17 +101,25 @@ def _train(module: nn.Module, rank: int, steps: int = 2) -> List[torch.Tensor]:
     return [p.detach().clone() for p in module.parameters()]
 
 
-def scenario_agree_ddp(rank: int, world: int) -> Dict[str, Any]:
+def _ddp_step(rank: int, noisy: bool) -> "tuple[nn.Module, Any, Any, Callable[[], None]]":
+    """A DDP GPT on this rank's batch: ``(model, x, y, step)``, the step run once (DDP's first
+    step rebuilds its buckets)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    ac = _api()
-    model = _gpt(rank, noisy=True)
+    model = _gpt(rank, noisy=noisy)
     ddp = DDP(model)
     x, y = _gpt_batch(rank, 0)
 
     def step() -> None:
         ddp(x, y).backward()
 
-    step()  # (DDP's first step rebuilds its buckets)
+    step()
+    return model, x, y, step
+
+
+def scenario_agree_ddp(rank: int, world: int) -> Dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ac = _api()
+    model, x, y, step = _ddp_step(rank, noisy=True)
     unplanned, budget = _unplanned_and_budget(model, step, x, y)
     t0 = time.perf_counter()
     plan = ac.plan_memory(model.layers, step, budget)  # (torch.distributed is initialized: the ranks agree)
@@ -156,14 +164,7 @@ def scenario_capped_ddp(rank: int, world: int) -> Dict[str, Any]:
     from hyper_parallel.tools.memory import MemoryMeter
     from torch.nn.parallel import DistributedDataParallel as DDP
     ac = _api()
-    model = _gpt(rank, noisy=False)
-    ddp = DDP(model)
-    x, y = _gpt_batch(rank, 0)
-
-    def step() -> None:
-        ddp(x, y).backward()
-
-    step()
+    model, x, y, step = _ddp_step(rank, noisy=False)
     unplanned, _ = _unplanned_and_budget(model, step, x, y)
     minimum = ac.plan_memory(model.layers, step, unplanned).min_budget_bytes
     budget = int(min(_gather(minimum + (unplanned - minimum) // 4)))
